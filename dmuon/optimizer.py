@@ -1,0 +1,397 @@
+"""``dmuon.Muon``: Muon for hidden matrices and AdamW for the rest, in one ``torch.optim.Optimizer``."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim.adamw import adamw as adamw_update
+
+from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, orthogonalize, resolve_config
+from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, default_route, matrix_shape, module_roles
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+NONFINITE_POLICIES = ("skip", "raise", "ignore")
+
+MUON_KEYS = (
+    "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+    "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts",
+)
+ADAMW_KEYS = ("lr", "weight_decay", "betas", "eps")
+# Keys a user's param group may carry besides hyperparameters.
+_STRUCTURE_KEYS = frozenset({"params", "param_names", "algorithm", "matrix_view", "name", "initial_lr"})
+_ADAMW_ALIASES = ("adamw_lr", "adamw_weight_decay", "adamw_betas", "adamw_eps")
+
+
+def adjusted_lr_ratio(adjust_lr_fn: str | None, m: int, n: int) -> float:
+    """Per-matrix lr multiplier, as in ``torch.optim.Muon``.
+
+    "original" (Keller): √max(1, m/n); "match_rms_adamw" (Moonlight): 0.2·√max(m, n), which gives
+    the update the RMS of an AdamW update so AdamW's lr and weight decay carry over.
+    """
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(m, n))
+    return math.sqrt(max(1.0, m / n))
+
+
+@dataclass
+class MatrixWork:
+    """One Muon parameter's Newton–Schulz input for this step, seen as ``(count, m, n)``."""
+
+    param: Tensor
+    group: dict[str, Any]
+    ns_input: Tensor
+    config: NSConfig
+
+
+def orthogonalize_local(works: Sequence[MatrixWork]) -> list[Tensor]:
+    """Orthogonalize every work item on this process, stacking same-shape, same-config inputs
+    into one batched call (batched kernels give each matrix bitwise its unbatched result)."""
+    batches: dict[tuple, list[int]] = {}
+    for i, work in enumerate(works):
+        batches.setdefault((tuple(work.ns_input.shape[1:]), work.config), []).append(i)
+    updates: list[Tensor | None] = [None] * len(works)
+    for (_, config), members in batches.items():
+        stacked = torch.cat([works[i].ns_input for i in members])
+        outputs = orthogonalize(stacked, config).split([works[i].ns_input.shape[0] for i in members])
+        for i, out in zip(members, outputs):
+            updates[i] = out
+    return updates  # type: ignore[return-value]
+
+
+def _check_range(name: str, value: Any, where: str, low: float, high: float | None = None,
+                 low_open: bool = False) -> None:
+    number = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or math.isnan(number):
+        raise ValueError(f"Invalid {name}={value!r}{where}. Must be a number.")
+    below = number <= low if low_open else number < low
+    above = high is not None and number >= high
+    if below or above:
+        bound = f"{'>' if low_open else '>='} {low}" + (f" and < {high}" if high is not None else "")
+        raise ValueError(f"Invalid {name}={value!r}{where}. Must be {bound}.")
+
+
+def validate_muon_group(group: dict[str, Any], where: str = "") -> None:
+    """Raise a ValueError naming the first bad Muon hyperparameter of a group."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"Invalid lr{where}: a Tensor lr must have one element, got shape {tuple(lr.shape)}.")
+    _check_range("lr", lr, where, 0.0)
+    _check_range("weight_decay", group["weight_decay"], where, 0.0)
+    _check_range("momentum", group["momentum"], where, 0.0, 1.0)
+    _check_range("eps", group["eps"], where, 0.0, low_open=True)
+    if not isinstance(group["nesterov"], bool):
+        raise ValueError(f"Invalid nesterov={group['nesterov']!r}{where}. Must be a bool.")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"Invalid adjust_lr_fn={group['adjust_lr_fn']!r}{where}. Must be one of {ADJUST_LR_FNS}.")
+    try:  # resolving for a square and a wide shape exercises every option of the recipe
+        for shape in ((8, 8), (8, 64)):
+            for device_type in ("cpu", "cuda"):
+                _ns_config(group, shape, device_type)
+    except ValueError as err:
+        raise ValueError(f"{err}{' (' + where.strip(' ,') + ')' if where else ''}") from None
+
+
+def validate_adamw_group(group: dict[str, Any], where: str = "") -> None:
+    """Raise a ValueError naming the first bad AdamW hyperparameter of a group."""
+    _check_range("lr", group["lr"], where, 0.0)
+    _check_range("weight_decay", group["weight_decay"], where, 0.0)
+    _check_range("eps", group["eps"], where, 0.0, low_open=True)
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas={betas!r}{where}. Must be a pair.")
+    for i, beta in enumerate(betas):
+        _check_range(f"betas[{i}]", beta, where, 0.0, 1.0)
+
+
+def _ns_config(group: dict[str, Any], shape: Sequence[int], device_type: str) -> NSConfig:
+    return resolve_config(
+        shape, device_type, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+        method=group["ns_method"], dtype=group["ns_dtype"], restarts=group["ns_restarts"],
+        eps=group["eps"],
+    )
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for hidden weight matrices, AdamW for everything else, in one optimizer.
+
+    **Algorithm.** For each matrix parameter W (gradient G, momentum buffer B):
+
+    1. ``B ← μ·B + (1−μ)·G``; the Newton–Schulz input is ``M = G + μ·(B − G)`` (Nesterov) or B;
+    2. ``O = NS(M)``: Newton–Schulz orthogonalization, approximately U·Vᵀ for M = U·Σ·Vᵀ
+       (:func:`dmuon.newton_schulz`; Polar Express coefficients by default);
+    3. ``W ← W·(1 − lr·wd) − lr·r(m, n)·O`` with r from ``adjust_lr_fn``.
+
+    Parameters Muon does not suit (embeddings, output heads, norms, biases, scalars) get AdamW
+    inside the same object; conv kernels are flattened to (out, in·k…), 3-D stacks are batches of
+    matrices (rules: :mod:`dmuon.routing`; see :meth:`routing_summary`). With the default
+    ``adjust_lr_fn="match_rms_adamw"`` the Muon update has AdamW's RMS, so the lr and weight decay
+    of an ``AdamW(lr, weight_decay)`` run carry over unchanged to the whole model.
+
+    **Shape of a step.** Element-wise momentum on each parameter → one call that orthogonalizes
+    the list of all Muon matrices (the place where the distributed engine takes over) →
+    element-wise apply. AdamW runs on its parameters in the same step.
+
+    **Param groups.** ``params`` is an ``nn.Module`` (routing then sees module types and names),
+    ``named_parameters()``, an iterable of tensors, or dicts. A dict without ``"algorithm"``
+    becomes two groups, a "muon" one and an "adamw" one (either may be empty, so every rank has
+    the same groups), both carrying its options; ``"algorithm": "muon"|"adamw"`` keeps it whole.
+    AdamW groups take ``adamw_lr``/``adamw_weight_decay`` when given, else ``lr``/``weight_decay``.
+
+    **Non-finite gradients** (``nonfinite_grads``): "skip" (default) leaves every parameter and
+    state untouched for that step, warns and counts it in ``skipped_steps``; "raise" raises
+    ``FloatingPointError`` naming the parameters; "ignore" does no check. A parameter whose
+    ``grad`` is None is left alone (no state is created for it), as in ``torch.optim``.
+
+    To reproduce ``torch.optim.Muon`` exactly: ``ns_coefficients="keller"``,
+    ``ns_method="standard"``, ``ns_dtype=torch.bfloat16``, ``adjust_lr_fn="original"``,
+    ``weight_decay=0.1``.
+    """
+
+    def __init__(
+        self,
+        params: nn.Module | Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.01,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Any = "polar_express",
+        eps: float = NORMALIZATION_EPS,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = "match_rms_adamw",
+        ns_method: str = "auto",
+        ns_dtype: torch.dtype | None = None,
+        ns_restarts: Sequence[int] | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_lr: float | Tensor | None = None,
+        adamw_weight_decay: float | None = None,
+        nonfinite_grads: str = "skip",
+    ) -> None:
+        if nonfinite_grads not in NONFINITE_POLICIES:
+            raise ValueError(f"Invalid {nonfinite_grads=}. Must be one of {NONFINITE_POLICIES}.")
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            ns_method=ns_method, ns_dtype=ns_dtype, ns_restarts=ns_restarts,
+            adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_lr=adamw_lr,
+            adamw_weight_decay=adamw_weight_decay, nonfinite_grads=nonfinite_grads,
+        )
+        validate_muon_group(defaults)
+        validate_adamw_group(self._adamw_hparams({}, defaults))
+        self._module_roles: dict[int, str] = {}
+        if isinstance(params, nn.Module):
+            self._module_roles = module_roles(params)
+            params = list(params.named_parameters())
+        self.skipped_steps = 0
+        super().__init__(params, defaults)
+        self._module_roles = {}  # used for routing at construction only; params may be swapped later
+
+    # ------------------------------------------------------------------ groups and routing
+
+    @staticmethod
+    def _adamw_hparams(group: dict[str, Any], defaults: dict[str, Any], explicit: bool = False) -> dict[str, Any]:
+        """AdamW options of a group: the group's own keys first (``adamw_*`` before plain ones),
+        then the constructor's. A plain ``eps`` is Muon's unless the group is explicitly AdamW."""
+
+        def first(*values: Any) -> Any:
+            return next((v for v in values if v is not None), None)
+
+        return {
+            "lr": first(group.get("adamw_lr"), group.get("lr"), defaults["adamw_lr"], defaults["lr"]),
+            "weight_decay": first(
+                group.get("adamw_weight_decay"), group.get("weight_decay"),
+                defaults["adamw_weight_decay"], defaults["weight_decay"],
+            ),
+            "betas": first(group.get("adamw_betas"), group.get("betas"), defaults["adamw_betas"]),
+            "eps": first(group.get("adamw_eps"), group.get("eps") if explicit else None, defaults["adamw_eps"]),
+        }
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; without an ``"algorithm"`` key it is split into a Muon and an AdamW group."""
+        where = f" in param group {len(self.param_groups)}"
+        unknown = set(param_group) - _STRUCTURE_KEYS - set(MUON_KEYS) - set(ADAMW_KEYS) - set(_ADAMW_ALIASES)
+        if unknown:
+            raise ValueError(f"Unknown option(s) {sorted(unknown)}{where}.")
+        algorithm = param_group.get("algorithm")
+        if algorithm is not None and algorithm not in ALGORITHMS:
+            raise ValueError(f"Invalid algorithm={algorithm!r}{where}. Must be one of {ALGORITHMS}.")
+        view_override = param_group.get("matrix_view")
+        if view_override is not None and view_override not in MATRIX_VIEWS:
+            raise ValueError(f"Invalid matrix_view={view_override!r}{where}. Must be one of {MATRIX_VIEWS}.")
+
+        entries = self._named_entries(param_group)
+        split = {alg: [] for alg in ((algorithm,) if algorithm else ALGORITHMS)}
+        for index, (name, param) in enumerate(entries):
+            label = name or f"parameter {index}"
+            if param.is_complex():
+                raise ValueError(f"Muon does not support complex parameters: {label}{where}.")
+            route = default_route(param, name, self._module_roles.get(id(param)))
+            chosen = algorithm or route.algorithm
+            view = view_override or (route.matrix_view if chosen == route.algorithm else "auto")
+            if chosen == "muon":
+                try:
+                    matrix_shape(param.shape, view)
+                except ValueError as err:
+                    raise ValueError(f"{label}{where}: {err} Put it in an 'adamw' group.") from None
+            split[chosen].append((name, param, view))
+
+        named = any(name is not None for name, _ in entries)
+        for alg, members in split.items():
+            group = {
+                k: v for k, v in param_group.items()
+                if k in ("name", "initial_lr") or (k in MUON_KEYS and alg == "muon")
+            }
+            group["algorithm"] = alg
+            group["params"] = [(n, p) for n, p, _ in members] if named else [p for _, p, _ in members]
+            if alg == "muon":
+                for key in MUON_KEYS:
+                    group.setdefault(key, self.defaults[key])
+                group["matrix_views"] = [v for _, _, v in members]
+                validate_muon_group(group, where)
+            else:
+                group.update(self._adamw_hparams(param_group, self.defaults, explicit=algorithm == "adamw"))
+                validate_adamw_group(group, where)
+            # torch's add_param_group would copy *all* defaults (both algorithms') into the group;
+            # every key is already filled here.
+            defaults, self.defaults = self.defaults, {}
+            try:
+                super().add_param_group(group)
+            finally:
+                self.defaults = defaults
+
+    @staticmethod
+    def _named_entries(param_group: dict[str, Any]) -> list[tuple[str | None, Tensor]]:
+        params = param_group["params"]
+        if isinstance(params, Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("Parameters must be an ordered collection (a list), not a set.")
+        names = param_group.get("param_names")
+        entries = []
+        for i, item in enumerate(params):
+            name, tensor = item if isinstance(item, tuple) else (names[i] if names else None, item)
+            if not isinstance(tensor, Tensor):
+                raise TypeError(f"Muon can only optimize Tensors, but got {type(tensor).__name__}.")
+            entries.append((name, tensor))
+        return entries
+
+    def routing_summary(self) -> str:
+        """A table: every parameter, its shape, the algorithm and the matrices Muon sees."""
+        rows = [("group", "parameter", "shape", "algorithm", "matrices")]
+        for g, group in enumerate(self.param_groups):
+            names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
+            for i, (name, p) in enumerate(zip(names, group["params"])):
+                if group["algorithm"] == "muon":
+                    count, m, n = matrix_shape(p.shape, group["matrix_views"][i])
+                    matrices = f"{count} x {m}x{n}"
+                else:
+                    matrices = "-"
+                rows.append((str(g), name, "x".join(map(str, p.shape)), group["algorithm"], matrices))
+        widths = [max(len(r[c]) for r in rows) for c in range(5)]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+    def __repr__(self) -> str:
+        counts = {alg: sum(len(g["params"]) for g in self.param_groups if g["algorithm"] == alg) for alg in ALGORITHMS}
+        return (
+            f"{type(self).__name__}(muon: {counts['muon']} params, adamw: {counts['adamw']} params, "
+            f"groups: {len(self.param_groups)})\n{self.routing_summary()}"
+        )
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._gradients_finite():
+            return loss
+        works: list[MatrixWork] = []
+        for group in self.param_groups:
+            if group["algorithm"] == "muon":
+                works.extend(self._momentum(group))
+            else:
+                self._adamw(group)
+        for work, update in zip(works, orthogonalize_local(works)):
+            self._apply(work, update)
+        return loss
+
+    def _params_with_grad(self, group: dict[str, Any]) -> list[Tensor]:
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients.")
+        return params
+
+    def _gradients_finite(self) -> bool:
+        policy = self.defaults["nonfinite_grads"]
+        if policy == "ignore":
+            return True
+        flags, labels = [], []
+        for g, group in enumerate(self.param_groups):
+            names = group.get("param_names") or [f"group {g} param {i}" for i in range(len(group["params"]))]
+            for name, p in zip(names, group["params"]):
+                if p.grad is not None:
+                    flags.append(torch.isfinite(p.grad).all())
+                    labels.append(name)
+        if not flags:
+            return True
+        finite = torch.stack(flags)
+        if bool(finite.all()):
+            return True
+        bad = [label for label, ok in zip(labels, finite.tolist()) if not ok]
+        if policy == "raise":
+            raise FloatingPointError(f"Non-finite gradients in {bad}.")
+        self.skipped_steps += 1
+        warnings.warn(f"Muon skipped a step: non-finite gradients in {bad}.", stacklevel=3)
+        return False
+
+    def _momentum(self, group: dict[str, Any]) -> list[MatrixWork]:
+        momentum, nesterov = group["momentum"], group["nesterov"]
+        views = dict(zip(map(id, group["params"]), group["matrix_views"]))
+        works = []
+        for p in self._params_with_grad(group):
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - momentum)
+            ns_input = p.grad.lerp(buf, momentum) if nesterov else buf
+            count, m, n = matrix_shape(p.shape, views[id(p)])
+            works.append(MatrixWork(p, group, ns_input.reshape(count, m, n), _ns_config(group, (m, n), p.device.type)))
+        return works
+
+    def _apply(self, work: MatrixWork, update: Tensor) -> None:
+        group, p = work.group, work.param
+        lr = float(group["lr"])
+        _, m, n = work.ns_input.shape
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(update.reshape(p.shape), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], m, n))
+
+    def _adamw(self, group: dict[str, Any]) -> None:
+        params = self._params_with_grad(group)
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw_update(
+            params, [p.grad for p in params],
+            [self.state[p]["exp_avg"] for p in params],
+            [self.state[p]["exp_avg_sq"] for p in params],
+            [], [self.state[p]["step"] for p in params],
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )

@@ -1,0 +1,364 @@
+"""Newton–Schulz orthogonalization: the math core of Muon (no ``torch.distributed`` here).
+
+Muon replaces a weight's update direction G = U·Σ·Vᵀ by (approximately) its polar factor U·Vᵀ.
+An odd matrix polynomial applied to X = G/‖G‖_F acts on the singular values alone,
+p(X) = U·p(Σ)·Vᵀ, so composing a few well-chosen quintics p_t(x) = a·x + b·x³ + c·x⁵ pushes every
+singular value in (0, 1] towards 1 using matrix products only.
+
+Two algorithms compute the same composition:
+
+* **standard** — per step ``A = X·Xᵀ; X = a·X + (b·A + c·A²)·X``; every step touches the long
+  dimension n: (4α + 2)·m³ FLOPs per step for an m×n matrix with α = n/m ≥ 1.
+* **gram** — iterate on the m×m Gram matrix R = X·Xᵀ and accumulate the polynomial in Q, so that
+  only the first X·Xᵀ and the final Q·X touch n: with p_t(x) = x·h_t(x²),
+  Z = h_t(R), Q ← Q·Z, R ← Z·R·Z, output Q·X. Equal in exact arithmetic; cheaper for wide
+  matrices. In low precision R of a near-low-rank X has small negative eigenvalues that the
+  recurrence amplifies, so Gram NS *restarts* (X ← Q·X, R ← X·Xᵀ, Q ← I) at chosen steps, and
+  must not run in bf16.
+
+Every matrix is processed as a 3-D batch ``(B, m, n)`` with batched kernels, so a matrix gives
+bitwise the same result whether it is orthogonalized alone or stacked with others of its shape —
+the property the distributed engine relies on to match the single-process step exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import torch
+from torch import Tensor
+
+Coefficients = tuple[float, float, float]
+CoefficientsSpec = Union[str, Coefficients, Sequence[Coefficients]]
+Method = Literal["standard", "gram"]
+
+# Keller Jordan's Muon quintic, used at every step (torch.optim.Muon's default).
+KELLER: tuple[Coefficients, ...] = ((3.4445, -4.7750, 2.0315),)
+
+# You Jiacheng's five-step schedule; later steps repeat the last polynomial.
+YOU: tuple[Coefficients, ...] = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+
+# Polar Express (Amsel et al., arXiv 2505.16932): the minimax-optimal quintic of each step for
+# singular values in [1e-3, 1], *unscaled*. The safety factor is applied in code
+# (polar_express_schedule); never store a scaled table — one published copy has wrong c values.
+POLAR_EXPRESS_RAW: tuple[Coefficients, ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+# Rounding can leave ‖X‖₂ slightly above 1; p(x/s) instead of p(x) keeps such inputs bounded
+# (the 5-step composition then diverges only from ≈1.055 on).
+POLAR_EXPRESS_SAFETY = 1.05
+
+NAMED_COEFFICIENTS = ("polar_express", "keller", "you")
+
+# Gram NS restart steps (0-based: restart *before* that step) measured to keep fp16 Gram NS
+# stable for a named schedule; the best position depends on the schedule (REFERENCE.md §1).
+_MEASURED_GRAM_RESTARTS: dict[tuple[str, int], tuple[int, ...]] = {
+    ("polar_express", 5): (2,),
+    ("keller", 5): (3,),
+    ("polar_express", 8): (1, 3),
+}
+
+# `method="auto"` picks Gram NS from this aspect ratio max(m, n)/min(m, n) on, by device type.
+# CUDA: REFERENCE.md §1 (Gram 20–26 % slower when square, 0.67× at α = 4); CPU: measured with
+# `dmuon.newton_schulz` in fp32 on a 2-core AMD EPYC (see README, "Choosing the method").
+# bf16 always runs standard NS (Gram NS is unstable in bf16).
+GRAM_MIN_ASPECT: dict[str, float] = {"cuda": 2.0, "cpu": 2.0}
+
+NORMALIZATION_EPS = 1e-7
+
+
+def polar_express_schedule(steps: int, safety: float = POLAR_EXPRESS_SAFETY) -> list[Coefficients]:
+    """The Polar Express schedule for ``steps`` steps with p(x) replaced by p(x/safety).
+
+    p(x/s) = (a/s)·x + (b/s³)·x³ + (c/s⁵)·x⁵; steps beyond the table repeat its last polynomial.
+    """
+    if not safety >= 1.0:
+        raise ValueError(f"Invalid {safety=}. Must be >= 1.0.")
+    raw = [POLAR_EXPRESS_RAW[min(t, len(POLAR_EXPRESS_RAW) - 1)] for t in range(steps)]
+    return [(a / safety, b / safety**3, c / safety**5) for a, b, c in raw]
+
+
+def _validate_steps(steps: int) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
+        raise ValueError(f"Invalid ns_steps={steps!r}. Must be an int in [1, 100].")
+
+
+def _as_triple(item: object) -> Coefficients:
+    if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 3:
+        raise ValueError(f"Invalid Newton–Schulz coefficients {item!r}. Each step needs (a, b, c).")
+    triple = tuple(float(v) for v in item)
+    if not all(math.isfinite(v) for v in triple):
+        raise ValueError(f"Invalid Newton–Schulz coefficients {item!r}. Must be finite.")
+    return triple  # type: ignore[return-value]
+
+
+def coefficient_schedule(coefficients: CoefficientsSpec, steps: int) -> tuple[Coefficients, ...]:
+    """The (a, b, c) of every step, ``steps`` long.
+
+    ``coefficients`` is a name in NAMED_COEFFICIENTS, one (a, b, c) used at every step, or a
+    sequence of at most ``steps`` triples whose last one repeats.
+    """
+    _validate_steps(steps)
+    if isinstance(coefficients, str):
+        if coefficients == "polar_express":
+            return tuple(polar_express_schedule(steps))
+        table = {"keller": KELLER, "you": YOU}.get(coefficients)
+        if table is None:
+            raise ValueError(
+                f"Invalid ns_coefficients={coefficients!r}. Must be one of {NAMED_COEFFICIENTS} "
+                "or (a, b, c) triples."
+            )
+    elif (
+        isinstance(coefficients, Sequence)
+        and len(coefficients) == 3
+        and all(isinstance(v, (int, float)) for v in coefficients)
+    ):
+        table = (_as_triple(coefficients),)
+    elif isinstance(coefficients, Sequence) and len(coefficients) > 0:
+        table = tuple(_as_triple(item) for item in coefficients)
+        if len(table) > steps:
+            raise ValueError(
+                f"Invalid ns_coefficients: {len(table)} steps given but ns_steps={steps}."
+            )
+    else:
+        raise ValueError(
+            f"Invalid ns_coefficients={coefficients!r}. Must be one of {NAMED_COEFFICIENTS} "
+            "or (a, b, c) triples."
+        )
+    return tuple(table[min(t, len(table) - 1)] for t in range(steps))
+
+
+def default_gram_restarts(coefficients: CoefficientsSpec, steps: int) -> tuple[int, ...]:
+    """Steps before which Gram NS restarts, for a schedule.
+
+    Measured positions where known; otherwise before step 2 and every second step after it,
+    while at least two steps follow (a restart costs two passes over the long side, so one
+    in the last step would not pay for itself). Searching all one- and two-restart positions
+    in fp16 on near-low-rank 64×256 inputs, this rule came within 1.1× of the most accurate
+    choice for every named schedule at 6 and 7 steps (tests/test_orthogonalization.py holds
+    it below the error of standard NS in bf16).
+    """
+    if isinstance(coefficients, str) and (coefficients, steps) in _MEASURED_GRAM_RESTARTS:
+        return _MEASURED_GRAM_RESTARTS[(coefficients, steps)]
+    return tuple(range(2, steps - 1, 2))
+
+
+def _validate_restarts(restarts: Sequence[int], steps: int) -> tuple[int, ...]:
+    positions = tuple(sorted(set(int(r) for r in restarts)))
+    if any(not 1 <= r < steps for r in positions):
+        raise ValueError(f"Invalid gram restarts {tuple(restarts)}. Each must be in [1, {steps - 1}].")
+    return positions
+
+
+def default_dtype(device_type: str, method: str) -> torch.dtype:
+    """Compute dtype when none is given.
+
+    CUDA: fp16 (tensor-core speed with 8× less rounding error than bf16; Gram NS requires it).
+    CPU: bf16 for standard NS (on AVX512-BF16/AMX chips bf16 products run 2–6× faster than fp32);
+    fp32 for Gram NS, since bf16 Gram NS is unstable and fp16 products are emulated (slow) on CPU.
+    """
+    if device_type == "cuda":
+        return torch.float16
+    return torch.float32 if method == "gram" else torch.bfloat16
+
+
+def choose_method(
+    shape: Sequence[int], method: str, dtype: torch.dtype | None, device_type: str
+) -> tuple[Method, torch.dtype]:
+    """Resolve ``method`` ("auto", "standard", "gram") and the compute dtype for one matrix shape."""
+    if method not in ("auto", "standard", "gram"):
+        raise ValueError(f"Invalid ns_method={method!r}. Must be 'auto', 'standard' or 'gram'.")
+    if method == "auto":
+        compute_dtype = dtype if dtype is not None else default_dtype(device_type, "standard")
+        m, n = sorted(shape[-2:])
+        aspect = n / max(m, 1)
+        wide_enough = aspect >= GRAM_MIN_ASPECT.get(device_type, GRAM_MIN_ASPECT["cuda"])
+        resolved: Method = "gram" if wide_enough and compute_dtype != torch.bfloat16 else "standard"
+        return resolved, compute_dtype
+    compute_dtype = dtype if dtype is not None else default_dtype(device_type, method)
+    if method == "gram" and compute_dtype == torch.bfloat16:
+        raise ValueError(
+            "Invalid ns_dtype=torch.bfloat16 for ns_method='gram': Gram NS amplifies bf16 rounding "
+            "(σ_max up to 2.2, blow-ups without restarts). Use float16 or float32."
+        )
+    return method, compute_dtype  # type: ignore[return-value]
+
+
+def normalize(G: Tensor, eps: float = NORMALIZATION_EPS) -> Tensor:
+    """G / (‖G‖_F + eps) per matrix, in at least fp32; the zero matrix maps to zeros."""
+    work_dtype = torch.promote_types(G.dtype, torch.float32)
+    X = G.to(work_dtype)
+    return X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
+
+
+def _standard(X: Tensor, schedule: Sequence[Coefficients]) -> Tensor:
+    for a, b, c in schedule:
+        A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
+        X = torch.baddbmm(X, B, X, beta=a)  # a·X + B·X
+    return X
+
+
+def _gram(X: Tensor, schedule: Sequence[Coefficients], restarts: Sequence[int]) -> Tensor:
+    # Z_t = a·I + W_t with W_t = b·R + c·R². The a·I term never goes through a low-precision
+    # product: it enters as the beta of baddbmm (Q·Z = a·Q + Q·W, R·Z = a·R + R·W), whose
+    # scaling and accumulation the kernel does at its accumulator precision.
+    R = torch.bmm(X, X.mT)
+    Q: Tensor | None = None  # None stands for the identity
+    steps = len(schedule)
+    for t, (a, b, c) in enumerate(schedule):
+        if t in restarts:
+            X = torch.bmm(Q, X)
+            R = torch.bmm(X, X.mT)
+            Q = None
+        W = torch.baddbmm(R, R, R, beta=b, alpha=c)
+        if Q is None:
+            Q = W.clone()
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            Q = torch.baddbmm(Q, Q, W, beta=a)
+        if t + 1 < steps and t + 1 not in restarts:
+            RZ = torch.baddbmm(R, R, W, beta=a)
+            R = torch.baddbmm(RZ, W, RZ, beta=a)  # Z·R·Z
+            # Z·R·Z is symmetric in exact arithmetic; dropping the rounding's antisymmetric
+            # part costs m² and cut the fp16 error by 10–25 % in our measurements.
+            R = (R + R.mT) * 0.5
+    assert Q is not None
+    return torch.bmm(Q, X)
+
+
+@dataclass(frozen=True)
+class NSConfig:
+    """A fully resolved orthogonalization recipe for one matrix shape (hashable: matrices with
+    equal configs and shapes can share one batched call)."""
+
+    schedule: tuple[Coefficients, ...]
+    method: Method
+    dtype: torch.dtype
+    restarts: tuple[int, ...] = ()
+    eps: float = NORMALIZATION_EPS
+
+    @property
+    def steps(self) -> int:
+        return len(self.schedule)
+
+
+def resolve_config(
+    shape: Sequence[int],
+    device_type: str,
+    *,
+    steps: int = 5,
+    coefficients: CoefficientsSpec = "polar_express",
+    method: str = "auto",
+    dtype: torch.dtype | None = None,
+    restarts: Sequence[int] | None = None,
+    eps: float = NORMALIZATION_EPS,
+) -> NSConfig:
+    """Validate the user-facing options and resolve them for one matrix shape and device."""
+    if len(shape) < 2:
+        raise ValueError(f"Newton–Schulz needs a matrix or a stack of matrices, got shape {tuple(shape)}.")
+    if not eps > 0:
+        raise ValueError(f"Invalid {eps=}. Must be > 0.0.")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"Invalid ns_dtype={dtype!r}. Must be a floating torch.dtype or None.")
+    schedule = coefficient_schedule(coefficients, steps)
+    resolved, compute_dtype = choose_method(shape, method, dtype, device_type)
+    if resolved == "gram":
+        restarts = default_gram_restarts(coefficients, steps) if restarts is None else restarts
+        positions = _validate_restarts(restarts, steps)
+    else:
+        positions = ()
+    return NSConfig(schedule, resolved, compute_dtype, positions, float(eps))
+
+
+def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
+    """Run a resolved :class:`NSConfig` on a matrix ``(m, n)`` or a stack ``(..., m, n)``."""
+    if G.ndim < 2:
+        raise ValueError(f"Newton–Schulz needs a matrix or a stack of matrices, got shape {tuple(G.shape)}.")
+    if G.numel() == 0:
+        return torch.zeros_like(G)
+    batch_shape, (m, n) = G.shape[:-2], G.shape[-2:]
+    X = normalize(G.reshape(-1, m, n), config.eps).to(config.dtype)
+    tall = m > n
+    if tall:
+        X = X.mT
+    if config.method == "gram":
+        X = _gram(X, config.schedule, config.restarts)
+    else:
+        X = _standard(X, config.schedule)
+    if tall:
+        X = X.mT
+    return X.reshape(*batch_shape, m, n).to(G.dtype)
+
+
+def newton_schulz(
+    G: Tensor,
+    *,
+    steps: int = 5,
+    coefficients: CoefficientsSpec = "polar_express",
+    method: str = "auto",
+    dtype: torch.dtype | None = None,
+    restarts: Sequence[int] | None = None,
+    eps: float = NORMALIZATION_EPS,
+) -> Tensor:
+    """Approximate polar factor U·Vᵀ of a matrix ``(m, n)`` or a stack ``(..., m, n)``.
+
+    Args:
+        G: input; any floating dtype. The result has G's shape and dtype.
+        steps: number of polynomial steps T (1–100).
+        coefficients: "polar_express" (default, safety factor 1.05), "keller", "you",
+            one (a, b, c), or a sequence of triples (the last repeats).
+        method: "standard", "gram", or "auto" (Gram NS for aspect ratios from
+            GRAM_MIN_ASPECT on, when the compute dtype allows it).
+        dtype: compute dtype; default from :func:`default_dtype`. Normalization is always
+            done in at least fp32.
+        restarts: Gram NS restart steps; default from :func:`default_gram_restarts`.
+        eps: added to ‖G‖_F before dividing.
+    """
+    config = resolve_config(
+        G.shape, G.device.type, steps=steps, coefficients=coefficients, method=method,
+        dtype=dtype, restarts=restarts, eps=eps,
+    )
+    return orthogonalize(G, config)
+
+
+def newton_schulz_flops(
+    m: int, n: int, *, steps: int, method: Method, restarts: Sequence[int] = ()
+) -> int:
+    """Dense-GEMM FLOPs of one m×n orthogonalization (one multiply-add = 2 FLOPs).
+
+    Counts the products the implementation above runs: standard T·(4m²n + 2m³) for the wide
+    orientation; Gram 2·m²n per pass over the long side (initial X·Xᵀ, final Q·X, two per
+    restart) plus 2m³ per m×m product.
+    """
+    m, n = min(m, n), max(m, n)
+    if method == "standard":
+        return steps * (4 * m * m * n + 2 * m**3)
+    long_passes = 2 + 2 * len(restarts)
+    square_products = 0
+    fresh_q = True
+    for t in range(steps):
+        if t in restarts:
+            fresh_q = True
+        square_products += 1 if fresh_q else 2  # R², then Q·W unless Q is fresh
+        fresh_q = False
+        if t + 1 < steps and t + 1 not in restarts:
+            square_products += 2  # R·Z and Z·(R·Z)
+    return long_passes * 2 * m * m * n + square_products * 2 * m**3
