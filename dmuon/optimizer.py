@@ -184,11 +184,14 @@ class Muon(torch.optim.Optimizer):
         )
         validate_muon_group(defaults)
         validate_adamw_group(self._adamw_hparams({}, defaults))
+        if isinstance(params, (set, Tensor)):
+            raise TypeError(f"params must be a module, or an ordered iterable of tensors or dicts, not a {type(params).__name__}.")
         self._module_roles: dict[int, str] = {}
         if isinstance(params, nn.Module):
             self._module_roles = module_roles(params)
             params = list(params.named_parameters())
         self.skipped_steps = 0
+        self._user_groups = 0
         super().__init__(params, defaults)
         self._module_roles = {}  # used for routing at construction only; params may be swapped later
 
@@ -214,7 +217,9 @@ class Muon(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; without an ``"algorithm"`` key it is split into a Muon and an AdamW group."""
-        where = f" in param group {len(self.param_groups)}"
+        # Name the group as the user numbered it (before any split).
+        where = f" in param group {self._user_groups}"
+        self._user_groups += 1
         unknown = set(param_group) - _STRUCTURE_KEYS - set(MUON_KEYS) - set(ADAMW_KEYS) - set(_ADAMW_ALIASES)
         if unknown:
             raise ValueError(f"Unknown option(s) {sorted(unknown)}{where}.")

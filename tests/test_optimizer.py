@@ -1,0 +1,475 @@
+"""Single-process ``dmuon.Muon``: parity, routing, validation and the optimizer API (TESTING.md
+rows 2, 10, 11, 13–16, 18)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dmuon
+from dmuon.reference import ReferenceMuon
+
+BF16_PARITY_TOL = 2e-2
+
+
+class Net(nn.Module):
+    """Every kind of parameter the routing rule distinguishes."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.hidden = nn.Linear(dim, 2 * dim)
+        self.norm = nn.LayerNorm(2 * dim)
+        self.conv = nn.Conv1d(2, 3, kernel_size=3)
+        self.experts = nn.Parameter(torch.randn(3, 2 * dim, dim) * 0.1)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.relu(self.hidden(self.embed(tokens))))
+        h = torch.einsum("bd,edk->bk", h, self.experts) / 3
+        conv = self.conv(h.reshape(h.shape[0], 2, -1)).mean()
+        return self.lm_head(h) + conv
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def set_random_grads(params, step: int) -> None:
+    g = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+
+
+def snapshot(params) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in params]
+
+
+# ---------------------------------------------------------------- parity with torch.optim.Muon
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_parity_with_torch_muon(adjust_lr_fn, nesterov, weight_decay):
+    torch.manual_seed(0)
+    params = [torch.randn(shape) * 0.1 for shape in [(32, 64), (64, 32), (48, 48), (7, 5)]]
+    ours = [nn.Parameter(p.clone()) for p in params]
+    theirs = [nn.Parameter(p.clone()) for p in params]
+    kwargs = dict(lr=0.02, weight_decay=weight_decay, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    opt = dmuon.Muon([{"params": ours, "algorithm": "muon"}], ns_coefficients="keller",
+                     ns_method="standard", ns_dtype=torch.bfloat16, **kwargs)
+    ref = torch.optim.Muon(theirs, **kwargs)
+    for step in range(5):
+        set_random_grads(ours, step)
+        set_random_grads(theirs, step)
+        opt.step()
+        ref.step()
+    for p0, a, b in zip(params, ours, theirs):
+        # momentum depends on gradients alone: identical
+        assert torch.equal(opt.state[a]["momentum_buffer"], ref.state[b]["momentum_buffer"])
+        # updates differ by bf16 rounding (torch normalizes in bf16, we in fp32)
+        delta_ours, delta_theirs = a.detach() - p0, b.detach() - p0
+        assert ((delta_ours - delta_theirs).norm() / delta_theirs.norm()).item() <= BF16_PARITY_TOL
+
+
+def test_parity_fails_with_a_broken_coefficient():
+    """The parity test above can fail: a changed Keller coefficient is caught."""
+    torch.manual_seed(0)
+    p0 = torch.randn(32, 64) * 0.1
+    a, b = nn.Parameter(p0.clone()), nn.Parameter(p0.clone())
+    opt = dmuon.Muon([{"params": [a], "algorithm": "muon"}], lr=0.02, ns_coefficients=(3.4445, -4.7750, 2.3),
+                     ns_method="standard", ns_dtype=torch.bfloat16, adjust_lr_fn="original")
+    ref = torch.optim.Muon([b], lr=0.02, adjust_lr_fn="original")
+    for step in range(5):
+        set_random_grads([a], step)
+        set_random_grads([b], step)
+        opt.step()
+        ref.step()
+    delta_ours, delta_theirs = a.detach() - p0, b.detach() - p0
+    assert ((delta_ours - delta_theirs).norm() / delta_theirs.norm()).item() > BF16_PARITY_TOL
+
+
+# ---------------------------------------------------------------- fast path == plain reference
+
+@pytest.mark.parametrize("ns_method,ns_dtype", [("standard", torch.bfloat16), ("gram", torch.float32), ("auto", None)])
+def test_fast_path_equals_reference_bitwise(ns_method, ns_dtype):
+    net, ref_net = make_net(), make_net()
+    kwargs = dict(lr=0.01, weight_decay=0.1, ns_method=ns_method, ns_dtype=ns_dtype)
+    opt = dmuon.Muon(net, **kwargs)
+    muon_names = {n for g in opt.param_groups if g["algorithm"] == "muon" for n in g["param_names"]}
+    ref_params = dict(ref_net.named_parameters())
+    ref_muon = ReferenceMuon([ref_params[n] for n in sorted(muon_names) if n != "conv.weight"], **kwargs)
+    ref_conv = ReferenceMuon([ref_params["conv.weight"]], matrix_view="flatten", **kwargs)
+    ref_adamw = torch.optim.AdamW([p for n, p in ref_params.items() if n not in muon_names], lr=0.01, weight_decay=0.1)
+    assert muon_names == {"hidden.weight", "conv.weight", "experts"}
+    for step in range(4):
+        set_random_grads(net.parameters(), step)
+        set_random_grads(ref_net.parameters(), step)
+        opt.step()
+        for o in (ref_muon, ref_conv, ref_adamw):
+            o.step()
+    for (name, a), b in zip(net.named_parameters(), ref_net.parameters()):
+        assert torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------- routing
+
+def test_routing_from_module():
+    opt = dmuon.Muon(make_net())
+    routes = {n: g["algorithm"] for g in opt.param_groups for n in g["param_names"]}
+    assert routes == {
+        "embed.weight": "adamw", "hidden.weight": "muon", "hidden.bias": "adamw",
+        "norm.weight": "adamw", "norm.bias": "adamw", "conv.weight": "muon", "conv.bias": "adamw",
+        "experts": "muon", "lm_head.weight": "adamw",
+    }
+    summary = opt.routing_summary()
+    assert "3 x 16x8" in summary  # the expert stack: 3 matrices
+    assert "1 x 3x6" in summary  # the Conv1d kernel (3, 2, 3) flattened
+    assert "routing" not in repr(opt) and "hidden.weight" in repr(opt)
+
+
+def test_tied_head_and_vocab_sized_head_go_to_adamw():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(10, 4)
+            self.proj = nn.Linear(4, 4)
+            self.out = nn.Linear(4, 10)  # not named like a head, but vocab-sized
+            self.tied = nn.Linear(4, 10, bias=False)
+            self.tied.weight = self.tok.weight
+
+    opt = dmuon.Muon(Tied())
+    routes = {n: g["algorithm"] for g in opt.param_groups for n in g["param_names"]}
+    assert routes["tok.weight"] == "adamw" and routes["out.weight"] == "adamw"
+    assert routes["proj.weight"] == "muon"
+    assert "tied.weight" not in routes  # the same tensor as tok.weight
+
+
+def test_routing_from_named_parameters_and_plain_tensors():
+    net = make_net()
+    named = dmuon.Muon(net.named_parameters())
+    named_routes = {n: g["algorithm"] for g in named.param_groups for n in g["param_names"]}
+    assert named_routes["embed.weight"] == "adamw" and named_routes["lm_head.weight"] == "adamw"
+    plain = dmuon.Muon(net.parameters())
+    # without names or modules only the shape rule applies: every matrix goes to Muon
+    assert sum(len(g["params"]) for g in plain.param_groups if g["algorithm"] == "muon") == 5
+
+
+def test_explicit_groups_override_and_split():
+    net = make_net()
+    opt = dmuon.Muon([
+        {"params": [net.hidden.weight, net.hidden.bias], "lr": 0.5},
+        {"params": [net.lm_head.weight], "algorithm": "muon"},
+        {"params": [net.experts], "algorithm": "adamw", "betas": (0.8, 0.9), "eps": 1e-6},
+    ], lr=0.1, adamw_eps=1e-7)
+    algorithms = [g["algorithm"] for g in opt.param_groups]
+    assert algorithms == ["muon", "adamw", "muon", "adamw"]
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1, 1, 1]
+    assert opt.param_groups[0]["lr"] == opt.param_groups[1]["lr"] == 0.5
+    assert opt.param_groups[1]["eps"] == 1e-7  # a plain eps of a split group is Muon's
+    assert opt.param_groups[3]["betas"] == (0.8, 0.9) and opt.param_groups[3]["eps"] == 1e-6
+    assert opt.param_groups[2]["lr"] == 0.1 and "betas" not in opt.param_groups[2]
+
+
+def test_adamw_options():
+    net = make_net()
+    opt = dmuon.Muon(net, lr=0.1, weight_decay=0.2, adamw_lr=0.003, adamw_weight_decay=0.0, adamw_betas=(0.5, 0.6))
+    adamw = next(g for g in opt.param_groups if g["algorithm"] == "adamw")
+    assert (adamw["lr"], adamw["weight_decay"], adamw["betas"], adamw["eps"]) == (0.003, 0.0, (0.5, 0.6), 1e-8)
+
+
+# ---------------------------------------------------------------- validation (row 11)
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lr=-1.0), "lr=-1.0"),
+    (dict(lr=float("nan")), "lr=nan"),
+    (dict(momentum=1.0), "momentum=1.0"),
+    (dict(momentum=-0.1), "momentum=-0.1"),
+    (dict(weight_decay=-0.1), "weight_decay=-0.1"),
+    (dict(eps=0.0), "eps=0.0"),
+    (dict(ns_steps=0), "ns_steps=0"),
+    (dict(ns_steps=101), "ns_steps=101"),
+    (dict(ns_coefficients=(1.0, 2.0)), "coefficients"),
+    (dict(ns_coefficients="fast"), "ns_coefficients='fast'"),
+    (dict(ns_method="svd"), "ns_method='svd'"),
+    (dict(ns_method="gram", ns_dtype=torch.bfloat16), "bfloat16"),
+    (dict(ns_dtype=torch.int32), "ns_dtype"),
+    (dict(ns_method="gram", ns_restarts=[7]), "restarts"),
+    (dict(adjust_lr_fn="spectral"), "adjust_lr_fn='spectral'"),
+    (dict(nesterov="yes"), "nesterov='yes'"),
+    (dict(adamw_betas=(0.9, 1.0)), r"betas\[1\]=1.0"),
+    (dict(adamw_eps=-1.0), "eps=-1.0"),
+    (dict(nonfinite_grads="nan"), "nonfinite_grads='nan'"),
+    (dict(lr=torch.tensor([0.1, 0.2])), "one element"),
+])
+def test_bad_hyperparameters_raise_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dmuon.Muon(make_net(), **kwargs)
+
+
+def test_bad_param_groups_raise_naming_the_problem():
+    net = make_net()
+    with pytest.raises(ValueError, match=r"Unknown option\(s\) \['lrr'\] in param group 0"):
+        dmuon.Muon([{"params": [net.hidden.weight], "lrr": 0.1}])
+    with pytest.raises(ValueError, match="algorithm='sgd'"):
+        dmuon.Muon([{"params": [net.hidden.weight], "algorithm": "sgd"}])
+    with pytest.raises(ValueError, match="hidden.bias in param group 0"):
+        dmuon.Muon([{"params": [("hidden.bias", net.hidden.bias)], "algorithm": "muon"}])
+    with pytest.raises(ValueError, match=r"momentum=2 in param group 1"):
+        dmuon.Muon([{"params": [net.hidden.weight]}, {"params": [net.experts], "momentum": 2}])
+    with pytest.raises(TypeError, match="set"):
+        dmuon.Muon({net.hidden.weight})
+    with pytest.raises(ValueError, match="complex"):
+        dmuon.Muon([nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))])
+
+
+# ---------------------------------------------------------------- non-finite and missing gradients
+
+@pytest.mark.parametrize("bad_param", ["hidden.weight", "norm.bias"])
+def test_nonfinite_grad_skips_whole_step(bad_param):
+    net = make_net()
+    opt = dmuon.Muon(net, lr=0.01)
+    set_random_grads(net.parameters(), 0)
+    opt.step()
+    before_params = snapshot(net.parameters())
+    before_state = copy.deepcopy(opt.state_dict())
+    set_random_grads(net.parameters(), 1)
+    dict(net.named_parameters())[bad_param].grad.view(-1)[0] = float("nan")
+    with pytest.warns(UserWarning, match=bad_param):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before_params, net.parameters()))
+    after_state = opt.state_dict()
+    for key, state in before_state["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, after_state["state"][key][name])
+    assert opt.skipped_steps == 1
+
+
+def test_nonfinite_grad_raise_and_ignore_policies():
+    net = make_net()
+    set_random_grads(net.parameters(), 0)
+    net.hidden.weight.grad[0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match="hidden.weight"):
+        dmuon.Muon(net, nonfinite_grads="raise").step()
+    dmuon.Muon(net, nonfinite_grads="ignore").step()
+    assert not torch.isfinite(net.hidden.weight).all()  # "ignore" means exactly that
+
+
+def test_missing_gradients_leave_params_and_state_alone():
+    net = make_net()
+    net.embed.weight.requires_grad_(False)
+    opt = dmuon.Muon(net, lr=0.01)
+    set_random_grads(net.parameters(), 0)
+    net.embed.weight.grad = None
+    net.experts.grad = None
+    frozen, experts = net.embed.weight.clone(), net.experts.detach().clone()
+    opt.step()
+    assert torch.equal(frozen, net.embed.weight) and torch.equal(experts, net.experts)
+    assert net.experts not in opt.state and net.embed.weight not in opt.state
+    assert net.hidden.weight in opt.state
+
+
+def test_zero_lr_and_zero_grads_leave_params_bit_identical():
+    net = make_net()
+    opt = dmuon.Muon(net, lr=0.0, weight_decay=0.1)
+    before = snapshot(net.parameters())
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    assert all("momentum_buffer" in s or "exp_avg" in s for s in opt.state.values())
+
+
+# ---------------------------------------------------------------- optimizer API (row 15)
+
+def loss_of(net: Net) -> torch.Tensor:
+    return net(torch.arange(6) % 11).square().mean()
+
+
+def test_step_with_closure_returns_loss():
+    net = make_net()
+    opt = dmuon.Muon(net, lr=0.01)
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_of(net)
+        loss.backward()
+        return loss
+
+    first = opt.step(closure)
+    assert isinstance(first, torch.Tensor)
+    for _ in range(5):
+        last = opt.step(closure)
+    assert last < first
+    opt.zero_grad()
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_state_dict_round_trip_resumes_bitwise():
+    def run(steps, resume_at=None):
+        net = make_net()
+        opt = dmuon.Muon(net, lr=0.01)
+        for step in range(steps):
+            if step == resume_at:
+                saved = copy.deepcopy(opt.state_dict())
+                net_state = copy.deepcopy(net.state_dict())
+                net = make_net(seed=99)
+                net.load_state_dict(net_state)
+                opt = dmuon.Muon(net, lr=0.01)
+                opt.load_state_dict(state_dict=saved)  # by keyword, as DCP calls it
+            set_random_grads(net.parameters(), step)
+            opt.step()
+        return snapshot(net.parameters()), opt.state_dict()
+
+    straight, straight_state = run(4)
+    for resume_at in (0, 2):  # before and after the first step
+        resumed, resumed_state = run(4, resume_at)
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+        assert straight_state["param_groups"] == resumed_state["param_groups"]
+
+
+def test_add_param_group_later():
+    net = make_net()
+    opt = dmuon.Muon([net.hidden.weight], lr=0.01)
+    opt.add_param_group({"params": [net.experts, net.norm.weight], "lr": 0.02})
+    assert [g["algorithm"] for g in opt.param_groups] == ["muon", "adamw", "muon", "adamw"]
+    set_random_grads(net.parameters(), 0)
+    before = net.experts.detach().clone()
+    opt.step()
+    assert not torch.equal(before, net.experts)
+
+
+def test_lr_scheduler_changes_applied_lr():
+    def update_size(factor):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(16, 32))
+        opt = dmuon.Muon([p], lr=0.01, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: factor)
+        before = p.detach().clone()
+        set_random_grads([p], 0)
+        opt.step()
+        sched.step()
+        return (p.detach() - before).norm().item(), opt.param_groups[0]["lr"]
+
+    full, _ = update_size(1.0)
+    half, lr_after = update_size(0.5)
+    assert half == pytest.approx(full / 2, rel=1e-5)
+    assert lr_after == pytest.approx(0.005)
+
+
+def test_tensor_lr_matches_float_lr():
+    """A 0-D tensor lr works; it is fp32, so it equals the float lr to fp32 rounding."""
+    results = []
+    for lr in (0.01, torch.tensor(0.01)):
+        net = make_net()
+        opt = dmuon.Muon(net, lr=lr)
+        set_random_grads(net.parameters(), 0)
+        opt.step()
+        results.append(snapshot(net.parameters()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_step_hooks_run():
+    net = make_net()
+    opt = dmuon.Muon(net)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    set_random_grads(net.parameters(), 0)
+    opt.step()
+    assert calls == ["pre", "post"]
+
+
+def test_parameter_objects_swapped_after_construction():
+    """Accelerate replaces the parameter objects in param_groups after construction."""
+    net = make_net()
+    opt = dmuon.Muon(net, lr=0.01)
+    for group in opt.param_groups:
+        group["params"] = [nn.Parameter(p.detach().clone()) for p in group["params"]]
+    new_params = [p for g in opt.param_groups for p in g["params"]]
+    set_random_grads(new_params, 0)
+    before = snapshot(new_params)
+    opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, new_params))
+    assert set(opt.state) == set(new_params)
+
+
+# ---------------------------------------------------------------- dtypes, determinism, state stability
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_param_dtype_is_kept_and_state_matches_it(dtype):
+    net = make_net().to(dtype)
+    opt = dmuon.Muon(net, lr=0.01)
+    for step in range(2):
+        set_random_grads(net.parameters(), step)
+        opt.step()
+    assert all(p.dtype == dtype for p in net.parameters())
+    for p, state in opt.state.items():
+        for name, value in state.items():
+            if name != "step":
+                assert value.dtype == dtype and value.shape == p.shape, name
+
+
+def test_same_seed_twice_is_bitwise_equal():
+    def run():
+        net = make_net()
+        opt = dmuon.Muon(net, lr=0.01)
+        for _ in range(3):
+            opt.zero_grad()
+            loss_of(net).backward()
+            opt.step()
+        return snapshot(net.parameters())
+
+    assert all(torch.equal(a, b) for a, b in zip(run(), run()))
+
+
+def test_one_vs_two_threads():
+    """Same result with 1 and 2 intra-op threads (to fp32 rounding: BLAS may split sums)."""
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            net = make_net()
+            opt = dmuon.Muon(net, lr=0.01)
+            for step in range(3):
+                set_random_grads(net.parameters(), step)
+                opt.step()
+            results.append(snapshot(net.parameters()))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_state_is_stable_across_steps():
+    net = make_net()
+    opt = dmuon.Muon(net, lr=0.01)
+    set_random_grads(net.parameters(), 0)
+    opt.step()
+    layout = {id(p): {k: (v.shape, v.dtype, v.device) for k, v in s.items()} for p, s in opt.state.items()}
+    for step in range(1, 4):
+        set_random_grads(net.parameters(), step)
+        opt.step()
+    assert layout == {id(p): {k: (v.shape, v.dtype, v.device) for k, v in s.items()} for p, s in opt.state.items()}
+
+
+def test_training_reduces_loss():
+    net = make_net()
+    opt = dmuon.Muon(net, lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        losses = []
+        for _ in range(20):
+            opt.zero_grad()
+            loss = loss_of(net)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
