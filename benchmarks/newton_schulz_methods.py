@@ -1,0 +1,49 @@
+"""Time standard vs Gram Newton–Schulz on this machine, side by side in one run.
+
+    python benchmarks/newton_schulz_methods.py [--threads 1] [--repeats 5]
+
+Prints, per shape, the best-of-N time of each method/dtype and the Gram/standard ratios; the
+aspect-ratio sweep at m = 512 is what `GRAM_MIN_ASPECT` in dmuon/orthogonalization.py rests on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from dmuon.orthogonalization import newton_schulz
+
+SHAPES = [(512, 512), (512, 768), (512, 1024), (512, 1536), (512, 2048), (512, 4096), (1024, 1024)]
+VARIANTS = [("standard", torch.bfloat16), ("standard", torch.float32), ("gram", torch.float32)]
+
+
+def best_time(G: torch.Tensor, method: str, dtype: torch.dtype, repeats: int) -> float:
+    newton_schulz(G, method=method, dtype=dtype)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        newton_schulz(G, method=method, dtype=dtype)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    names = [f"{method} {str(dtype).removeprefix('torch.')}" for method, dtype in VARIANTS]
+    print(f"{'shape':<10} {'aspect':>6}  " + "  ".join(f"{name + ' ms':>18}" for name in names)
+          + "  gram/standard(fp32)  gram(fp32)/standard(bf16)")
+    for m, n in SHAPES:
+        G = torch.randn(m, n, generator=torch.Generator().manual_seed(0))
+        t = [best_time(G, method, dtype, args.repeats) for method, dtype in VARIANTS]
+        cells = "  ".join(f"{x * 1e3:>18.1f}" for x in t)
+        print(f"{f'{m}x{n}':<10} {n / m:>6.1f}  {cells}  {t[2] / t[1]:>19.2f}  {t[2] / t[0]:>25.2f}")
+
+
+if __name__ == "__main__":
+    main()
