@@ -5,14 +5,19 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_update
 
-from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, orthogonalize, resolve_config
+from dmuon.engine import MatrixWork, Orthogonalizer, StepStats, unit_of
+from dmuon.exchange import all_reduce_max, gather_objects
+from dmuon.layout import detect_layout
+from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, resolve_config
+from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, split_replicas_is_cheaper
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, default_route, matrix_shape, module_roles
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -39,29 +44,9 @@ def adjusted_lr_ratio(adjust_lr_fn: str | None, m: int, n: int) -> float:
     return math.sqrt(max(1.0, m / n))
 
 
-@dataclass
-class MatrixWork:
-    """One Muon parameter's Newton–Schulz input for this step, seen as ``(count, m, n)``."""
-
-    param: Tensor
-    group: dict[str, Any]
-    ns_input: Tensor
-    config: NSConfig
-
-
-def orthogonalize_local(works: Sequence[MatrixWork]) -> list[Tensor]:
-    """Orthogonalize every work item on this process, stacking same-shape, same-config inputs
-    into one batched call (batched kernels give each matrix bitwise its unbatched result)."""
-    batches: dict[tuple, list[int]] = {}
-    for i, work in enumerate(works):
-        batches.setdefault((tuple(work.ns_input.shape[1:]), work.config), []).append(i)
-    updates: list[Tensor | None] = [None] * len(works)
-    for (_, config), members in batches.items():
-        stacked = torch.cat([works[i].ns_input for i in members])
-        outputs = orthogonalize(stacked, config).split([works[i].ns_input.shape[0] for i in members])
-        for i, out in zip(members, outputs):
-            updates[i] = out
-    return updates  # type: ignore[return-value]
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's piece of a tensor: the local shard of a DTensor (a view: writes go through)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _check_range(name: str, value: Any, where: str, low: float, high: float | None = None,
@@ -172,9 +157,19 @@ class Muon(torch.optim.Optimizer):
         adamw_lr: float | Tensor | None = None,
         adamw_weight_decay: float | None = None,
         nonfinite_grads: str = "skip",
+        process_group: dist.ProcessGroup | None = None,
+        comm_dtype: torch.dtype | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        replica_split: bool | None = None,
     ) -> None:
         if nonfinite_grads not in NONFINITE_POLICIES:
             raise ValueError(f"Invalid {nonfinite_grads=}. Must be one of {NONFINITE_POLICIES}.")
+        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+            raise ValueError(f"Invalid {comm_dtype=}. Must be a floating torch.dtype or None.")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"Invalid {bucket_bytes=}. Must be a positive int.")
+        if replica_split not in (None, True, False):
+            raise ValueError(f"Invalid {replica_split=}. Must be None (cost model), True or False.")
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
@@ -192,8 +187,16 @@ class Muon(torch.optim.Optimizer):
             params = list(params.named_parameters())
         self.skipped_steps = 0
         self._user_groups = 0
+        self._process_group = process_group
+        self._replica_split = replica_split
+        self._split_decisions: dict[tuple, bool] = {}
+        self._engine_options = (comm_dtype, bucket_bytes, replica_split)
+        self._engine = Orthogonalizer(bucket_bytes, comm_dtype)
         super().__init__(params, defaults)
         self._module_roles = {}  # used for routing at construction only; params may be swapped later
+        self.plans  # detects every layout now: an unsupported one raises before any collective
+        if self._agreement_group() is not None:
+            self._check_ranks_agree()
 
     # ------------------------------------------------------------------ groups and routing
 
@@ -308,6 +311,76 @@ class Muon(torch.optim.Optimizer):
             f"groups: {len(self.param_groups)})\n{self.routing_summary()}"
         )
 
+    # ------------------------------------------------------------------ distribution
+
+    def _muon_params(self) -> list[tuple[str, Tensor, dict[str, Any], str]]:
+        """(name, param, group, matrix view) of every Muon parameter, in group order."""
+        out = []
+        for g, group in enumerate(self.param_groups):
+            if group["algorithm"] != "muon":
+                continue
+            names = group.get("param_names") or [f"group{g}.param{i}" for i in range(len(group["params"]))]
+            out.extend(zip(names, group["params"], [group] * len(names), group["matrix_views"]))
+        return out
+
+    def _works(self, entries: list, inputs: dict[int, Tensor]) -> list[MatrixWork]:
+        """The orthogonalization work of Muon parameter ``entries`` (inputs: id → local NS input)."""
+        split = self._replica_split
+        if split is None:  # HSDP: the cost model decides whether replicas split the work
+            works = [self._work(e, inputs, True) for e in entries]
+            if not any(w.layout.replicas > 1 and w.layout.shards > 1 for w in works):
+                return works
+            units = tuple(unit_of(w, self._engine.wire_itemsize(w)) for w in works)
+            if units not in self._split_decisions:
+                self._split_decisions = {units: split_replicas_is_cheaper(units, self._engine.flops_per_byte)}
+            if self._split_decisions[units]:
+                return works
+            split = False
+        return [self._work(e, inputs, split) for e in entries]
+
+    def _work(self, entry, inputs: dict[int, Tensor], split: bool) -> MatrixWork:
+        name, p, group, view = entry
+        layout, process_group = detect_layout(p, name, self._process_group, split)
+        count, m, n = matrix_shape(p.shape, view)
+        config = _ns_config(group, (m, n), p.device.type)
+        return MatrixWork(name, inputs[id(p)], layout, process_group, count, m, n, config)
+
+    @property
+    def plans(self) -> list[Plan]:
+        """The plan of each exchange group (usually one): owners, buckets, bytes; see Plan.table()."""
+        entries = self._muon_params()
+        return self._engine.plans_for(self._works(entries, {id(p): _local(p) for _, p, _, _ in entries}))
+
+    @property
+    def plan(self) -> Plan:
+        """The plan, when all Muon parameters share one exchange group (the usual case)."""
+        plans = self.plans
+        if len(plans) != 1:
+            raise ValueError(f"The Muon parameters span {len(plans)} exchange groups; use .plans.")
+        return plans[0]
+
+    @property
+    def last_step_stats(self) -> StepStats:
+        """This rank's matrices orthogonalized, NS FLOPs, bytes sent and collectives, last step."""
+        return self._engine.stats
+
+    def _check_ranks_agree(self) -> None:
+        """Raise on every rank if ranks were given different configurations (one collective)."""
+        fingerprint = {"options": repr(self._engine_options)}
+        for g, group in enumerate(self.param_groups):
+            for key, value in group.items():
+                if key not in ("params", "initial_lr"):
+                    fingerprint[f"param group {g} {key}"] = repr(value)
+            fingerprint[f"param group {g} shapes"] = repr([tuple(p.shape) for p in group["params"]])
+        everyone = gather_objects(fingerprint, self._process_group or dist.group.WORLD)
+        for rank, theirs in enumerate(everyone):
+            for key in sorted(set(fingerprint) | set(theirs)):
+                if fingerprint.get(key) != theirs.get(key):
+                    raise ValueError(
+                        f"Ranks disagree on the optimizer configuration: {key} is {everyone[0].get(key)} "
+                        f"on rank 0 but {theirs.get(key)} on rank {rank}."
+                    )
+
     # ------------------------------------------------------------------ step
 
     @torch.no_grad()
@@ -317,17 +390,57 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._gradients_finite():
+        self._engine.start_step()
+        stepped = self._agree_on_gradients()
+        if stepped is None:
             return loss
-        works: list[MatrixWork] = []
+        inputs = {}
         for group in self.param_groups:
             if group["algorithm"] == "muon":
-                works.extend(self._momentum(group))
+                inputs.update(self._momentum(group, stepped))
             else:
                 self._adamw(group)
-        for work, update in zip(works, orthogonalize_local(works)):
-            self._apply(work, update)
+        entries = [e for e in self._muon_params() if id(e[1]) in inputs]
+        works = self._works(entries, inputs)
+        for (_, p, group, _), work, update in zip(entries, works, self._engine.run(works)):
+            self._apply(p, group, work, update)
         return loss
+
+    def _agree_on_gradients(self) -> set[int] | None:
+        """The ids of the Muon parameters to step, or None to skip the whole step.
+
+        Under torch.distributed every rank must take the same decisions (or the collectives
+        would not match), so the flags are combined with one all-reduce first: the step is
+        skipped if any rank saw a non-finite gradient, and a Muon parameter is stepped only if
+        every rank has its gradient.
+        """
+        muon = [(name, p) for name, p, _, _ in self._muon_params()]
+        check = self.defaults["nonfinite_grads"] != "ignore"
+        bad: list[str] = []
+        if check:
+            for g, group in enumerate(self.param_groups):
+                names = group.get("param_names") or [f"group {g} param {i}" for i in range(len(group["params"]))]
+                flags = [(n, torch.isfinite(_local(p.grad)).all()) for n, p in zip(names, group["params"]) if p.grad is not None]
+                if flags and not bool(torch.stack([f for _, f in flags]).all()):
+                    bad.extend(n for n, f in flags if not f)
+        local = torch.tensor([float(bool(bad))] + [float(p.grad is None) for _, p in muon])
+        agreed = all_reduce_max(local, self._agreement_group(), self._engine.counter)
+        if agreed[0] > 0:
+            where = bad or ["another rank's parameters"]
+            if self.defaults["nonfinite_grads"] == "raise":
+                raise FloatingPointError(f"Non-finite gradients in {where}.")
+            self.skipped_steps += 1
+            warnings.warn(f"Muon skipped a step: non-finite gradients in {where}.", stacklevel=3)
+            return None
+        partial = [name for (name, p), missing in zip(muon, agreed[1:].tolist()) if missing and p.grad is not None]
+        if partial:
+            warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=3)
+        return {id(p) for (_, p), missing in zip(muon, agreed[1:].tolist()) if not missing}
+
+    def _agreement_group(self) -> dist.ProcessGroup | None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        return self._process_group or dist.group.WORLD
 
     def _params_with_grad(self, group: dict[str, Any]) -> list[Tensor]:
         params = [p for p in group["params"] if p.grad is not None]
@@ -336,50 +449,26 @@ class Muon(torch.optim.Optimizer):
                 raise RuntimeError("Muon does not support sparse gradients.")
         return params
 
-    def _gradients_finite(self) -> bool:
-        policy = self.defaults["nonfinite_grads"]
-        if policy == "ignore":
-            return True
-        flags, labels = [], []
-        for g, group in enumerate(self.param_groups):
-            names = group.get("param_names") or [f"group {g} param {i}" for i in range(len(group["params"]))]
-            for name, p in zip(names, group["params"]):
-                if p.grad is not None:
-                    flags.append(torch.isfinite(p.grad).all())
-                    labels.append(name)
-        if not flags:
-            return True
-        finite = torch.stack(flags)
-        if bool(finite.all()):
-            return True
-        bad = [label for label, ok in zip(labels, finite.tolist()) if not ok]
-        if policy == "raise":
-            raise FloatingPointError(f"Non-finite gradients in {bad}.")
-        self.skipped_steps += 1
-        warnings.warn(f"Muon skipped a step: non-finite gradients in {bad}.", stacklevel=3)
-        return False
-
-    def _momentum(self, group: dict[str, Any]) -> list[MatrixWork]:
+    def _momentum(self, group: dict[str, Any], stepped: set[int]) -> dict[int, Tensor]:
+        """Update the momentum of the group's parameters; their NS inputs (local pieces)."""
         momentum, nesterov = group["momentum"], group["nesterov"]
-        views = dict(zip(map(id, group["params"]), group["matrix_views"]))
-        works = []
+        inputs = {}
         for p in self._params_with_grad(group):
+            if id(p) not in stepped:
+                continue
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - momentum)
-            ns_input = p.grad.lerp(buf, momentum) if nesterov else buf
-            count, m, n = matrix_shape(p.shape, views[id(p)])
-            works.append(MatrixWork(p, group, ns_input.reshape(count, m, n), _ns_config(group, (m, n), p.device.type)))
-        return works
+            buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
+            buf.lerp_(grad, 1 - momentum)
+            inputs[id(p)] = grad.lerp(buf, momentum) if nesterov else buf
+        return inputs
 
-    def _apply(self, work: MatrixWork, update: Tensor) -> None:
-        group, p = work.group, work.param
+    def _apply(self, p: Tensor, group: dict[str, Any], work: MatrixWork, update: Tensor) -> None:
         lr = float(group["lr"])
-        _, m, n = work.ns_input.shape
-        p.mul_(1 - lr * group["weight_decay"])
-        p.add_(update.reshape(p.shape), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], m, n))
+        local = _local(p)
+        local.mul_(1 - lr * group["weight_decay"])
+        local.add_(update.to(local.dtype), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], work.m, work.n))
 
     def _adamw(self, group: dict[str, Any]) -> None:
         params = self._params_with_grad(group)

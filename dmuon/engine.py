@@ -1,0 +1,235 @@
+"""Runs a plan: gathers each matrix to its owner, orthogonalizes it there once, and returns every
+rank its rows of the update — bucket by bucket, with communication overlapping compute.
+
+Per exchange group, for buckets k = 0, 1, …::
+
+    start gather(k+1)          # in flight while …
+    wait gather(k); NS on the units this rank owns in k (same shape+config stacked)
+    start return(k)
+    wait return(k−1); hand out its updates
+
+so at most two buckets of gathered inputs and two of returned updates exist at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dmuon.exchange import CommCounter, PendingExchange, start_all_to_all
+from dmuon.layout import Layout
+from dmuon.orthogonalization import NSConfig, newton_schulz_flops, orthogonalize
+from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, make_plan
+
+
+@dataclass
+class MatrixWork:
+    """One Muon parameter's Newton–Schulz input for this step.
+
+    ``local_input`` is what this rank holds of the input (its shard, or the whole tensor); the
+    whole input is ``count`` m×n matrices, laid out as ``layout.shape``.
+    """
+
+    name: str
+    local_input: Tensor
+    layout: Layout
+    group: dist.ProcessGroup | None
+    count: int
+    m: int
+    n: int
+    config: NSConfig
+
+
+@dataclass
+class StepStats:
+    """What this rank did in the last step's orthogonalization."""
+
+    matrices_orthogonalized: int = 0
+    ns_flops: int = 0
+    bytes_sent: int = 0
+    collectives: int = 0
+
+
+def unit_of(work: MatrixWork, itemsize: int) -> Unit:
+    per_matrix = newton_schulz_flops(
+        work.m, work.n, steps=work.config.steps, method=work.config.method, restarts=work.config.restarts
+    )
+    return Unit(work.name, work.layout, work.count, work.m, work.n, itemsize, work.count * per_matrix)
+
+
+def _rows(full: Tensor, layout: Layout, shard: int) -> Tensor:
+    """Shard ``shard``'s rows of a tensor of the layout's global shape, flattened."""
+    start = sum(layout.chunk_rows(s) for s in range(shard))
+    return full.reshape(layout.shape)[start : start + layout.chunk_rows(shard)].reshape(-1)
+
+
+class Orthogonalizer:
+    """Orthogonalizes a list of :class:`MatrixWork` across ranks; one per optimizer.
+
+    Plans are cached per exchange group and rebuilt only when the set of matrices changes.
+    """
+
+    def __init__(
+        self,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        comm_dtype: torch.dtype | None = None,
+        flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE,
+    ) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.comm_dtype = comm_dtype
+        self.flops_per_byte = flops_per_byte
+        self.counter = CommCounter()
+        self.stats = StepStats()
+        self._plans: dict[tuple, Plan] = {}
+
+    def wire_dtype(self, work: MatrixWork) -> torch.dtype:
+        return self.comm_dtype or work.local_input.dtype
+
+    def wire_itemsize(self, work: MatrixWork) -> int:
+        return torch.empty(0, dtype=self.wire_dtype(work)).element_size()
+
+    def _by_group(self, works: Sequence[MatrixWork]) -> list[list[int]]:
+        """Work indices per exchange group and wire dtype (a bucket never mixes dtypes), larger
+        groups first, then by ranks: the same order on every rank, so no rank waits in one group
+        while its peer waits in another."""
+        groups: dict[tuple, list[int]] = {}
+        for i, work in enumerate(works):
+            key = (-work.layout.size, work.layout.group_ranks, work.layout.replicas, str(self.wire_dtype(work)))
+            groups.setdefault(key, []).append(i)
+        return [groups[key] for key in sorted(groups)]
+
+    def plans_for(self, works: Sequence[MatrixWork]) -> list[Plan]:
+        return [self.plan_for([works[i] for i in members]) for members in self._by_group(works)]
+
+    def plan_for(self, works: Sequence[MatrixWork]) -> Plan:
+        """The (cached) plan of one exchange group's works."""
+        units = [unit_of(w, self.wire_itemsize(w)) for w in works]
+        layout = works[0].layout
+        key = (layout.group_ranks, layout.replicas, tuple(units))
+        if key not in self._plans:
+            self._plans[key] = make_plan(
+                units, layout.size, layout.replicas,
+                bucket_bytes=self.bucket_bytes, flops_per_byte=self.flops_per_byte,
+            )
+        return self._plans[key]
+
+    def start_step(self) -> None:
+        """Zero the step's statistics (the optimizer's own flag all-reduce counts too)."""
+        self.counter.reset()
+        self.stats = StepStats()
+
+    def run(self, works: Sequence[MatrixWork]) -> list[Tensor]:
+        """Every work's update, shaped like its ``local_input``."""
+        updates: list[Tensor | None] = [None] * len(works)
+        for members in self._by_group(works):
+            group_works = [works[i] for i in members]
+            for i, update in zip(members, self._run_group(group_works)):
+                updates[i] = update
+        self.stats.bytes_sent = self.counter.bytes_sent
+        self.stats.collectives = self.counter.collectives
+        return updates  # type: ignore[return-value]
+
+    def _run_group(self, works: list[MatrixWork]) -> list[Tensor]:
+        plan = self.plan_for(works)
+        group = works[0].group
+        me = plan.units[0].layout.group_ranks.index(dist.get_rank()) if group is not None else 0
+        updates: list[Tensor | None] = [None] * len(works)
+        returns: list[tuple[int, PendingExchange | None, dict[int, Tensor]]] = []
+        gathers = {0: self._start_gather(plan, 0, works, group, me)} if plan.buckets else {}
+        for k in range(len(plan.buckets)):
+            if k + 1 < len(plan.buckets):
+                gathers[k + 1] = self._start_gather(plan, k + 1, works, group, me)
+            owned = self._orthogonalize_owned(plan, k, works, gathers.pop(k), me)
+            returns.append((k, self._start_return(plan, k, works, owned, group, me), owned))
+            if len(returns) > 1:
+                self._finish_return(plan, *returns.pop(0), works, me, updates)
+        for pending in returns:
+            self._finish_return(plan, *pending, works, me, updates)
+        return updates  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ gather
+
+    def _start_gather(self, plan: Plan, k: int, works, group, me: int) -> PendingExchange | None:
+        bucket = plan.buckets[k]
+        if not any(plan.gather_sources(u) for u in bucket):
+            return None  # nothing to gather (replicated layouts): no rank calls a collective
+        sends: list[list[Tensor]] = [[] for _ in range(plan.size)]
+        recv_splits = [0] * plan.size
+        for u in bucket:
+            owner, sources = plan.owners[u], plan.gather_sources(u)
+            if me in sources:
+                sends[owner].append(works[u].local_input)
+            if owner == me:
+                for p in sources:
+                    recv_splits[p] += plan.units[u].chunk_bytes(p) // plan.units[u].itemsize
+        dtype = self.wire_dtype(works[bucket[0]])
+        return start_all_to_all(sends, recv_splits, group, me, dtype, self.counter)
+
+    def _orthogonalize_owned(self, plan: Plan, k: int, works, pending, me: int) -> dict[int, Tensor]:
+        """Assemble, then orthogonalize, the units of bucket k this rank owns; same-shape,
+        same-config units share one batched call."""
+        received = pending.wait() if pending is not None else None
+        offsets = [0] * plan.size
+        inputs: dict[int, Tensor] = {}
+        for u in plan.buckets[k]:
+            if plan.owners[u] != me:
+                continue
+            work, layout = works[u], plan.units[u].layout
+            sources = plan.gather_sources(u)
+            pieces = []
+            first = me // layout.shards * layout.shards
+            for p in range(first, first + layout.shards):
+                if p == me:
+                    pieces.append(work.local_input.reshape(-1).to(self.wire_dtype(work)))
+                else:
+                    size = plan.units[u].chunk_bytes(p) // plan.units[u].itemsize
+                    pieces.append(received[p][offsets[p] : offsets[p] + size])
+                    offsets[p] += size
+            assert len(pieces) == len(sources) + 1
+            inputs[u] = torch.cat(pieces).reshape(work.count, work.m, work.n)
+        batches: dict[tuple, list[int]] = {}
+        for u in inputs:
+            batches.setdefault((works[u].m, works[u].n, works[u].config), []).append(u)
+        outputs: dict[int, Tensor] = {}
+        for (_, _, config), members in batches.items():
+            stacked = torch.cat([inputs[u] for u in members])
+            results = orthogonalize(stacked, config).split([works[u].count for u in members])
+            outputs.update(zip(members, results))
+            self.stats.matrices_orthogonalized += stacked.shape[0]
+            self.stats.ns_flops += sum(plan.units[u].flops for u in members)
+        return outputs
+
+    # ------------------------------------------------------------------ return
+
+    def _start_return(self, plan: Plan, k: int, works, owned, group, me: int) -> PendingExchange | None:
+        bucket = plan.buckets[k]
+        if not any(plan.return_targets(u) for u in bucket):
+            return None
+        sends: list[list[Tensor]] = [[] for _ in range(plan.size)]
+        recv_splits = [0] * plan.size
+        for u in bucket:
+            owner, layout = plan.owners[u], plan.units[u].layout
+            if owner == me:
+                for p in plan.return_targets(u):
+                    sends[p].append(_rows(owned[u], layout, p % layout.shards))
+            elif me in plan.return_targets(u):
+                recv_splits[owner] += plan.units[u].chunk_bytes(me) // plan.units[u].itemsize
+        dtype = self.wire_dtype(works[bucket[0]])
+        return start_all_to_all(sends, recv_splits, group, me, dtype, self.counter)
+
+    def _finish_return(self, plan: Plan, k: int, pending, owned, works, me: int, updates: list) -> None:
+        received = pending.wait() if pending is not None else None
+        offsets = [0] * plan.size
+        for u in plan.buckets[k]:
+            work, layout, owner = works[u], plan.units[u].layout, plan.owners[u]
+            if owner == me:
+                piece = _rows(owned[u], layout, me % layout.shards)
+            else:
+                size = plan.units[u].chunk_bytes(me) // plan.units[u].itemsize
+                piece = received[owner][offsets[owner] : offsets[owner] + size]
+                offsets[owner] += size
+            updates[u] = piece.reshape(work.local_input.shape)

@@ -1,0 +1,90 @@
+"""The collectives DMuon issues — all of them, in this one module — with byte accounting.
+
+Every exchange is one packed ``all_to_all_single`` with exact split sizes: a rank's sends to
+each peer are laid end to end in one buffer, so uneven and empty pieces need no padding, and a
+rank with nothing to send still takes part (with zero-length splits), keeping every rank's
+sequence of collectives identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class CommCounter:
+    """Bytes this rank sent to *other* ranks, and how many collectives it issued."""
+
+    bytes_sent: int = 0
+    collectives: int = 0
+
+    def reset(self) -> None:
+        self.bytes_sent = 0
+        self.collectives = 0
+
+
+@dataclass
+class PendingExchange:
+    """An all-to-all in flight; ``wait()`` returns the received pieces, one list per source."""
+
+    output: Tensor
+    recv_splits: list[int]
+    work: dist.Work | None = None
+    _done: bool = field(default=False, repr=False)
+
+    def wait(self) -> list[Tensor]:
+        if self.work is not None and not self._done:
+            self.work.wait()
+            self._done = True
+        return list(self.output.split(self.recv_splits))
+
+
+def start_all_to_all(
+    pieces_by_dest: list[list[Tensor]],
+    recv_splits: list[int],
+    group: dist.ProcessGroup | None,
+    my_position: int,
+    dtype: torch.dtype,
+    counter: CommCounter,
+) -> PendingExchange:
+    """Send ``pieces_by_dest[q]`` (flat tensors, concatenated) to position q of ``group`` and
+    receive ``recv_splits[q]`` elements from each q, asynchronously.
+
+    The piece to oneself is copied locally, never sent; with no group (a single rank) nothing
+    is communicated at all.
+    """
+    send_splits = [sum(t.numel() for t in pieces) for pieces in pieces_by_dest]
+    flat = [t.reshape(-1).to(dtype) for pieces in pieces_by_dest for t in pieces]
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
+    if group is None:
+        return PendingExchange(send, recv_splits)
+    output = torch.empty(sum(recv_splits), dtype=dtype, device=send.device)
+    counter.bytes_sent += (sum(send_splits) - send_splits[my_position]) * send.element_size()
+    counter.collectives += 1
+    work = dist.all_to_all_single(
+        output, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+        group=group, async_op=True,
+    )
+    return PendingExchange(output, recv_splits, work)
+
+
+def all_reduce_max(values: Tensor, group: dist.ProcessGroup | None, counter: CommCounter) -> Tensor:
+    """Element-wise maximum over the group (used to agree on flags before any work)."""
+    if group is not None:
+        counter.bytes_sent += values.numel() * values.element_size()
+        counter.collectives += 1
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values
+
+
+def gather_objects(obj: object, group: dist.ProcessGroup | None) -> list[object]:
+    """Every rank's ``obj`` (used once, at construction, to compare configurations)."""
+    if group is None:
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,109 @@
+"""How each Muon parameter is stored across ranks — the one module that reads DTensor and
+process-group internals.
+
+Every supported storage reduces to one picture: an *exchange group* of P ranks arranged as
+R replicas × S shards (position p = replica·S + shard). The parameter's dim 0 is split into S
+chunks the way DTensor's ``Shard(0)`` splits it (``torch.chunk``: ⌈D/S⌉ rows each, the last
+ranks possibly empty); the rank at shard index s holds chunk s, and the R replicas hold the same.
+
+=========================  ======================================  =====  =====
+storage                    exchange group                          R      S
+=========================  ======================================  =====  =====
+plain tensor, no group     none (single process)                   1      1
+plain tensor under DDP     ``process_group`` (default: WORLD)      P      1
+FSDP2 ``(Shard(0),)``      the mesh's group                        1      P
+HSDP ``(Replicate(), Shard(0))``, replicas split the work
+                           all ranks of the 2-D mesh (WORLD)       R      S
+HSDP, each replica alone   the mesh's shard-dim group              1      S
+=========================  ======================================  =====  =====
+
+Anything else (tensor parallel ``Shard(1)``, ``_StridedShard``, ``Partial``) raises
+``NotImplementedError`` naming the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one parameter's pieces live. Hashable; equal on every rank of the group."""
+
+    shape: tuple[int, ...]  # global shape
+    replicas: int  # R
+    shards: int  # S
+    group_ranks: tuple[int, ...]  # global ranks of the exchange group, by position
+
+    @property
+    def size(self) -> int:
+        return self.replicas * self.shards
+
+    def chunk_rows(self, shard: int) -> int:
+        """Rows of dim 0 held at shard index ``shard`` (DTensor ``Shard(0)`` chunking)."""
+        return chunk_sizes(self.shape[0], self.shards)[shard]
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+
+def chunk_sizes(rows: int, shards: int) -> list[int]:
+    """``torch.chunk`` sizes of ``rows`` over ``shards``: ⌈rows/shards⌉ each until rows run out."""
+    per = -(-rows // shards) if rows else 0
+    return [max(0, min(per, rows - s * per)) for s in range(shards)]
+
+
+def _group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def detect_layout(
+    param: Tensor, name: str, process_group: dist.ProcessGroup | None, split_replicas: bool
+) -> tuple[Layout, dist.ProcessGroup | None]:
+    """The layout of ``param`` and the process group its exchange runs on (None: no exchange).
+
+    ``split_replicas``: for HSDP, whether the replicas split the work (exchange over all mesh
+    ranks) or each replica group orthogonalizes everything alone (exchange over its shards).
+    """
+    if not isinstance(param, DTensor):
+        if not dist.is_available() or not dist.is_initialized():
+            return Layout(tuple(param.shape), 1, 1, (0,)), None
+        group = process_group or dist.group.WORLD
+        ranks = _group_ranks(group)
+        if len(ranks) == 1:
+            return Layout(tuple(param.shape), 1, 1, ranks), None
+        return Layout(tuple(param.shape), len(ranks), 1, ranks), group
+
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    shape = tuple(param.shape)
+    if len(placements) == 1 and type(placements[0]) is Shard and placements[0].dim == 0:
+        group = mesh.get_group(0)
+        return Layout(shape, 1, mesh.size(0), _group_ranks(group)), group
+    if (
+        len(placements) == 2
+        and type(placements[0]) is Replicate
+        and type(placements[1]) is Shard
+        and placements[1].dim == 0
+    ):
+        replicas, shards = mesh.size(0), mesh.size(1)
+        mesh_ranks = tuple(mesh.mesh.flatten().tolist())
+        world = dist.get_world_size()
+        if split_replicas and mesh_ranks == tuple(range(world)):
+            return Layout(shape, replicas, shards, mesh_ranks), dist.group.WORLD
+        group = mesh.get_group(1)
+        return Layout(shape, 1, shards, _group_ranks(group)), group
+    if all(type(p) is Replicate for p in placements):
+        group = mesh.get_group(0) if mesh.ndim == 1 else None
+        if group is not None:
+            return Layout(shape, mesh.size(0), 1, _group_ranks(group)), group
+    raise NotImplementedError(
+        f"dmuon.Muon does not support the layout of parameter {name!r}: placements "
+        f"{placements} on a {mesh.ndim}-D mesh. Supported: plain/DDP tensors, FSDP2 (Shard(0)), "
+        "HSDP (Replicate(), Shard(0))."
+    )

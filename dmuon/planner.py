@@ -1,0 +1,190 @@
+"""Who orthogonalizes which matrix, in which order. Pure: takes sizes and a group shape, never a
+process group, so every rank computes the same plan and tests need no processes.
+
+Each Muon parameter is one *unit*: ``count`` matrices of m×n (an expert stack is one unit, so
+its matrices stay together and run as one batched call). A unit gets one owner position in its
+exchange group (see :mod:`dmuon.layout`); the owner gathers the unit's rows, orthogonalizes the
+whole unit and sends every rank its rows of the update back.
+
+Balancing is LPT (longest processing time first): units sorted by cost, largest first, each
+given to the position with the least load so far. The cost of owning a unit is its
+Newton–Schulz FLOPs (for the method that will actually run) plus the bytes the owner receives
+and sends, converted at ``flops_per_byte``. Ties break on the unit's name, never on the order
+parameters were passed in. Units of the same shape thus spread round-robin; those that land on
+one owner in one bucket are stacked into one batched call at run time. No matrix is padded.
+
+Buckets cut the LPT order into pieces of about ``bucket_bytes`` of NS input, so that the exchange
+of bucket k+1 overlaps the orthogonalization of bucket k and transient memory stays bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+from dmuon.layout import Layout
+
+DEFAULT_BUCKET_BYTES = 32 * 2**20
+# Cost-model exchange rate: one byte moved by the owner costs as much time as this many FLOPs
+# (≈ a CPU core's ~100 GFLOP/s against ~1 GB/s of loopback gloo; a GPU's ratio is similar:
+# ~800 TFLOP/s against ~50–450 GB/s). Only the relative cost of owners matters here.
+DEFAULT_FLOPS_PER_BYTE = 100.0
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One Muon parameter as the planner sees it."""
+
+    name: str
+    layout: Layout
+    count: int  # matrices in the parameter
+    m: int
+    n: int
+    itemsize: int  # bytes per element on the wire
+    flops: int  # Newton–Schulz FLOPs for all its matrices
+
+    def chunk_bytes(self, position: int) -> int:
+        """Bytes of this unit held by the rank at ``position`` of the exchange group."""
+        shard = position % self.layout.shards
+        return self.layout.chunk_rows(shard) * self.layout.row_numel * self.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return self.count * self.m * self.n * self.itemsize
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Owners and buckets for the units of one exchange group (identical on every rank)."""
+
+    units: tuple[Unit, ...]
+    owners: tuple[int, ...]  # owner position of each unit
+    buckets: tuple[tuple[int, ...], ...]  # unit indices, in execution order
+    size: int  # positions in the exchange group
+    replicas: int
+
+    # ------------------------------------------------------------- who sends what to whom
+
+    def gather_sources(self, unit: int) -> list[int]:
+        """Positions that send their rows of ``unit`` to its owner: the owner's replica's shards."""
+        owner, shards = self.owners[unit], self.size // self.replicas
+        first = owner // shards * shards
+        return [p for p in range(first, first + shards) if p != owner]
+
+    def return_targets(self, unit: int) -> list[int]:
+        """Positions that receive their rows of the update from the owner: everyone else."""
+        return [p for p in range(self.size) if p != self.owners[unit]]
+
+    def bytes_sent(self, position: int) -> int:
+        """Bytes the rank at ``position`` sends per step (gathers and returns)."""
+        return self._traffic[0][position]
+
+    def bytes_received(self, position: int) -> int:
+        return self._traffic[1][position]
+
+    @cached_property
+    def _traffic(self) -> tuple[list[int], list[int]]:
+        sent, received = [0] * self.size, [0] * self.size
+        for u, unit in enumerate(self.units):
+            owner = self.owners[u]
+            for p in self.gather_sources(u):
+                sent[p] += unit.chunk_bytes(p)
+                received[owner] += unit.chunk_bytes(p)
+            for p in self.return_targets(u):
+                sent[owner] += unit.chunk_bytes(p)
+                received[p] += unit.chunk_bytes(p)
+        return sent, received
+
+    def makespan_cost(self, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> float:
+        """The busiest position's NS FLOPs plus its bytes in and out at ``flops_per_byte``."""
+        return max(
+            self.flops(p) + flops_per_byte * (self.bytes_sent(p) + self.bytes_received(p))
+            for p in range(self.size)
+        )
+
+    # ------------------------------------------------------------- balance
+
+    def flops(self, position: int) -> int:
+        return sum(unit.flops for unit, owner in zip(self.units, self.owners) if owner == position)
+
+    def matrices(self, position: int) -> int:
+        return sum(unit.count for unit, owner in zip(self.units, self.owners) if owner == position)
+
+    @property
+    def imbalance(self) -> float:
+        """max/mean NS FLOPs over positions (1.0 is perfect)."""
+        loads = [self.flops(p) for p in range(self.size)]
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean else 1.0
+
+    def table(self) -> str:
+        """Per rank: matrices owned, NS GFLOPs, MB out and in; then the imbalance."""
+        lines = [f"{'rank':>4}  {'matrices':>8}  {'NS GFLOP':>9}  {'MB out':>8}  {'MB in':>8}"]
+        for p in range(self.size):
+            lines.append(
+                f"{p:>4}  {self.matrices(p):>8}  {self.flops(p) / 1e9:>9.3f}  "
+                f"{self.bytes_sent(p) / 2**20:>8.2f}  {self.bytes_received(p) / 2**20:>8.2f}"
+            )
+        lines.append(f"imbalance (max/mean NS FLOPs): {self.imbalance:.3f}; buckets: {len(self.buckets)}")
+        return "\n".join(lines)
+
+
+def owner_cost(unit: Unit, size: int, flops_per_byte: float) -> float:
+    """Time-equivalent (in FLOPs) of owning ``unit``: NS plus the bytes the owner moves."""
+    moved = 2 * unit.total_bytes * (size - 1) / size if size > 1 else 0
+    return unit.flops + flops_per_byte * moved
+
+
+def make_plan(
+    units: Sequence[Unit],
+    size: int,
+    replicas: int = 1,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE,
+) -> Plan:
+    """Assign an owner position to every unit (LPT) and cut the order into buckets."""
+    if size < 1 or replicas < 1 or size % replicas:
+        raise ValueError(f"Invalid group shape: {size=} positions, {replicas=} replicas.")
+    if bucket_bytes <= 0:
+        raise ValueError(f"Invalid {bucket_bytes=}. Must be > 0.")
+    costs = [owner_cost(u, size, flops_per_byte) for u in units]
+    order = sorted(range(len(units)), key=lambda i: (-costs[i], units[i].name))
+    loads = [0.0] * size
+    owners = [0] * len(units)
+    for i in order:
+        owner = min(range(size), key=lambda p: (loads[p], p))
+        owners[i] = owner
+        loads[owner] += costs[i]
+    buckets: list[tuple[int, ...]] = []
+    current: list[int] = []
+    current_bytes = 0
+    for i in order:
+        current.append(i)
+        current_bytes += units[i].total_bytes
+        if current_bytes >= bucket_bytes:
+            buckets.append(tuple(current))
+            current, current_bytes = [], 0
+    if current:
+        buckets.append(tuple(current))
+    return Plan(tuple(units), tuple(owners), tuple(buckets), size, replicas)
+
+
+def split_replicas_is_cheaper(units: Sequence[Unit], flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> bool:
+    """HSDP: should the R replica groups split the units between them (each matrix computed
+    once, but updates cross replicas) rather than each replica group computing all of them?
+
+    Compares the busiest rank's cost (:meth:`Plan.makespan_cost`) of the two plans; units are
+    given in the split form (layouts with R replicas × S shards). Without replicas: False.
+    """
+    if not units or units[0].layout.replicas == 1:
+        return False
+    layout = units[0].layout
+    replicas, shards = layout.replicas, layout.shards
+    split = make_plan(units, replicas * shards, replicas, flops_per_byte=flops_per_byte)
+    alone_units = [
+        replace(u, layout=replace(u.layout, replicas=1, group_ranks=u.layout.group_ranks[:shards])) for u in units
+    ]
+    alone = make_plan(alone_units, shards, 1, flops_per_byte=flops_per_byte)
+    return split.makespan_cost(flops_per_byte) < alone.makespan_cost(flops_per_byte)

@@ -1,0 +1,240 @@
+"""A distributed step equals the single-process step, bitwise, on identical full gradients
+(TESTING.md rows 3, 5, 6, 10–13): DDP, FSDP2-style Shard(0) and HSDP layouts, world sizes 1–4.
+
+Every rank runs the single-process reference on the full tensors itself and compares its own
+shard of the parameters and momentum with the reference's rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import dmuon
+from dmuon.reference import ReferenceMuon
+from tests.distributed import WORLD_SIZES, WorkerError, run_on_ranks
+
+SHAPES = [(64, 32), (32, 96), (48, 48), (7, 5), (3, 16), (3, 8, 12), (16, 96), (16, 96)]
+HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, ns_method="standard", ns_dtype=torch.float32)
+
+
+def full_tensors(shapes, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def placements_for(layout: str, world: int):
+    """(mesh or None, placements) for a layout name."""
+    if layout == "ddp":
+        return None, None
+    if layout == "fsdp":
+        return init_device_mesh("cpu", (world,)), [Shard(0)]
+    replicas = 2 if world % 2 == 0 else 1
+    mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    return mesh, [Replicate(), Shard(0)]
+
+
+def as_layout(tensor: torch.Tensor, mesh, placements) -> torch.Tensor:
+    return tensor.clone() if mesh is None else distribute_tensor(tensor.clone(), mesh, placements)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def rows_of(full: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
+    """The rows of ``full`` that this rank's piece of ``sharded`` holds."""
+    if not isinstance(sharded, DTensor):
+        return full
+    shard_dim = [i for i, p in enumerate(sharded.placements) if isinstance(p, Shard)]
+    if not shard_dim:
+        return full
+    mesh_dim = shard_dim[0]
+    size, index = sharded.device_mesh.size(mesh_dim), sharded.device_mesh.get_local_rank(mesh_dim)
+    chunks = list(torch.chunk(full, size, dim=0))
+    return chunks[index] if index < len(chunks) else full[:0]
+
+
+def step_parity(layout: str, shapes, steps: int, replica_split, comm_dtype=None, seed: int = 0) -> dict:
+    world = dist.get_world_size()
+    mesh, placements = placements_for(layout, world)
+    init = full_tensors(shapes, seed)
+    params = [nn.Parameter(as_layout(t, mesh, placements)) for t in init]
+    ref_params = [nn.Parameter(t.clone()) for t in init]
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon"}], replica_split=replica_split,
+                     comm_dtype=comm_dtype, **HPARAMS)
+    ref = ReferenceMuon(ref_params, **HPARAMS)
+    stats, expected = [], []
+    for step in range(steps):
+        grads = full_tensors(shapes, seed=100 + step)
+        for p, r, g in zip(params, ref_params, grads):
+            p.grad = as_layout(g, mesh, placements)
+            r.grad = g.clone()
+        opt.step()
+        ref.step()
+        stats.append(opt.last_step_stats)
+    plan = opt.plan
+    position = plan.units[0].layout.group_ranks.index(dist.get_rank())
+    equal_params = [torch.equal(local(p), rows_of(r.detach(), p)) for p, r in zip(params, ref_params)]
+    equal_momentum = [
+        torch.equal(local(opt.state[p]["momentum_buffer"]), rows_of(ref.state[r]["momentum_buffer"], p))
+        for p, r in zip(params, ref_params)
+    ]
+    close_params = [
+        ((local(p) - rows_of(r.detach(), p)).norm() / (rows_of(r.detach(), p).norm() + 1e-12)).item()
+        for p, r in zip(params, ref_params)
+    ]
+    return dict(
+        equal_params=equal_params, equal_momentum=equal_momentum, close_params=close_params,
+        matrices=[s.matrices_orthogonalized for s in stats], bytes_sent=[s.bytes_sent for s in stats],
+        planned_bytes=plan.bytes_sent(position), planned_matrices=plan.matrices(position),
+        placements_kept=all(
+            not isinstance(p, DTensor) or tuple(p.placements) == tuple(placements) for p in params
+        ),
+    )
+
+
+def total_matrices(shapes) -> int:
+    return sum(s[0] if len(s) == 3 else 1 for s in shapes)
+
+
+def agreed_flag_bytes(world: int) -> int:
+    """The per-step all-reduce of the skip flags: one float per Muon parameter, plus one."""
+    return 0 if world == 1 else 4 * (len(SHAPES) + 1)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_step_is_bitwise_equal_to_single_process(layout, world):
+    results = run_on_ranks(world, step_parity, layout, SHAPES, 3, None)
+    for rank, r in enumerate(results):
+        assert all(r["equal_momentum"]), (rank, r)
+        assert all(r["equal_params"]), (rank, r["close_params"])
+        assert r["placements_kept"]
+    # every matrix orthogonalized exactly once job-wide, each step, as the plan says
+    for step in range(3):
+        assert sum(r["matrices"][step] for r in results) == total_matrices(SHAPES)
+    for r in results:
+        assert all(m == r["planned_matrices"] for m in r["matrices"])
+        # bytes on the wire: the plan's prediction plus the flag all-reduce, exactly
+        assert all(b == r["planned_bytes"] + agreed_flag_bytes(world) for b in r["bytes_sent"])
+
+
+@pytest.mark.parametrize("world,replica_split", [(2, True), (2, False), (4, True), (4, False), (4, None)])
+def test_hsdp_step_is_bitwise_equal_to_single_process(world, replica_split):
+    results = run_on_ranks(world, step_parity, "hsdp", SHAPES, 2, replica_split)
+    for rank, r in enumerate(results):
+        assert all(r["equal_momentum"]) and all(r["equal_params"]), (rank, r["close_params"])
+        assert all(b == r["planned_bytes"] + agreed_flag_bytes(world) for b in r["bytes_sent"])
+    done = sum(r["matrices"][0] for r in results)
+    if replica_split:
+        assert done == total_matrices(SHAPES)  # the replicas split the work
+    elif replica_split is False:
+        assert done == 2 * total_matrices(SHAPES)  # each of the 2 replica groups does it all
+
+
+def test_more_ranks_than_matrices():
+    results = run_on_ranks(4, step_parity, "fsdp", [(40, 24), (3, 16)], 2, None)
+    assert all(all(r["equal_params"]) for r in results)
+    assert sorted(r["matrices"][0] for r in results) == [0, 0, 1, 1]
+
+
+def test_bf16_comm_dtype_halves_bytes_and_stays_close():
+    exact = run_on_ranks(2, step_parity, "fsdp", SHAPES, 1, None)
+    halved = run_on_ranks(2, step_parity, "fsdp", SHAPES, 1, None, torch.bfloat16)
+    for e, h in zip(exact, halved):
+        assert h["planned_bytes"] * 2 == e["planned_bytes"]
+        assert max(h["close_params"]) < 1e-2
+
+
+# ---------------------------------------------------------------- agreement before any collective
+
+def nonfinite_on_one_rank(policy: str) -> dict:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    init = full_tensors(SHAPES[:3], 0)
+    params = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon"}], nonfinite_grads=policy, **HPARAMS)
+    for p, g in zip(params, full_tensors(SHAPES[:3], 1)):
+        p.grad = distribute_tensor(g, mesh, [Shard(0)])
+    if dist.get_rank() == dist.get_world_size() - 1:
+        local(params[0].grad).view(-1)[0] = float("nan")
+    before = [local(p).clone() for p in params]
+    try:
+        opt.step()
+        outcome = "stepped"
+    except FloatingPointError:
+        outcome = "raised"
+    unchanged = all(torch.equal(b, local(p)) for b, p in zip(before, params))
+    return dict(outcome=outcome, unchanged=unchanged, skipped=opt.skipped_steps, state=len(opt.state))
+
+
+@pytest.mark.parametrize("policy,outcome", [("skip", "stepped"), ("raise", "raised")])
+def test_nonfinite_gradient_on_one_rank_only(policy, outcome):
+    results = run_on_ranks(3, nonfinite_on_one_rank, policy)
+    for r in results:
+        assert r["outcome"] == outcome and r["unchanged"] and r["state"] == 0
+        if policy == "skip":
+            assert r["skipped"] == 1
+
+
+def missing_grads() -> dict:
+    rank = dist.get_rank()
+    init = full_tensors(SHAPES[:4], 0)
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon"}], **HPARAMS)
+    grads = full_tensors(SHAPES[:4], 1)
+    for i, (p, g) in enumerate(zip(params, grads)):
+        # param 0: no grad anywhere; param 1: no grad on rank 0 only; the rest: everywhere
+        p.grad = None if i == 0 or (i == 1 and rank == 0) else g
+    opt.step()
+    return dict(changed=[not torch.equal(t, p.detach()) for t, p in zip(init, params)],
+                params=[p.detach() for p in params])
+
+
+def test_missing_gradients_on_all_or_some_ranks():
+    results = run_on_ranks(2, missing_grads)
+    for r in results:
+        assert r["changed"] == [False, False, True, True]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+
+
+def empty_group_on_some_ranks() -> bool:
+    """A param group that holds parameters on rank 0 only (different per-rank models are not
+    DDP); here: an AdamW-only extra group whose tensors differ per rank must not break Muon."""
+    init = full_tensors(SHAPES[:2], 0)
+    params = [nn.Parameter(t.clone()) for t in init]
+    extra = [nn.Parameter(torch.ones(3))] if dist.get_rank() == 0 else []
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon"}, {"params": extra, "algorithm": "adamw"}], **HPARAMS)
+    return opt is not None
+
+
+def test_rank_divergent_configuration_is_detected_on_every_rank():
+    with pytest.raises(WorkerError) as info:
+        run_on_ranks(2, divergent_config)
+    message = str(info.value)
+    assert "Ranks disagree" in message and "lr" in message
+    assert "rank 0" in message and "rank 1" in message
+
+
+def divergent_config() -> None:
+    params = [nn.Parameter(t) for t in full_tensors(SHAPES[:2], 0)]
+    dmuon.Muon(params, lr=0.01 * (1 + dist.get_rank()))
+
+
+def test_divergent_parameter_sets_are_detected():
+    with pytest.raises(WorkerError, match="Ranks disagree"):
+        run_on_ranks(2, empty_group_on_some_ranks)
+
+
+def unsupported_layout() -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    param = nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)]))
+    dmuon.Muon([param])
+
+
+def test_unsupported_layout_raises_naming_the_parameter():
+    with pytest.raises(WorkerError, match=r"NotImplementedError.*Shard\(dim=1\)"):
+        run_on_ranks(2, unsupported_layout)
