@@ -19,17 +19,23 @@ of bucket k+1 overlaps the orthogonalization of bucket k and transient memory st
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from dmuon.layout import Layout
+import torch
+
+from dmuon.layout import Layout, chunk_sizes
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 # Cost-model exchange rate: one byte moved by the owner costs as much time as this many FLOPs
 # (≈ a CPU core's ~100 GFLOP/s against ~1 GB/s of loopback gloo; a GPU's ratio is similar:
 # ~800 TFLOP/s against ~50–450 GB/s). Only the relative cost of owners matters here.
 DEFAULT_FLOPS_PER_BYTE = 100.0
+# Bytes that cross HSDP replica groups usually cross nodes: InfiniBand NDR ≈ 50 GB/s per GPU
+# against NVLink ≈ 450 GB/s per direction (REFERENCE.md §5), so they cost 9× more.
+CROSS_REPLICA_COST_FACTOR = 9.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,11 @@ class Unit:
         """Bytes of this unit held by the rank at ``position`` of the exchange group."""
         shard = position % self.layout.shards
         return self.layout.chunk_rows(shard) * self.layout.row_numel * self.itemsize
+
+    def chunk_bytes_by_position(self) -> torch.Tensor:
+        """:meth:`chunk_bytes` of every position, as an int64 vector."""
+        per_shard = torch.tensor(chunk_sizes(self.layout.shape[0], self.layout.shards), dtype=torch.int64)
+        return (per_shard * self.layout.row_numel * self.itemsize).repeat(self.layout.replicas)
 
     @property
     def total_bytes(self) -> int:
@@ -83,38 +94,68 @@ class Plan:
     def bytes_received(self, position: int) -> int:
         return self._traffic[1][position]
 
+    def cross_replica_bytes(self, position: int) -> int:
+        """Of the bytes sent and received by ``position``, those to or from other replicas."""
+        return self._traffic[2][position]
+
     @cached_property
-    def _traffic(self) -> tuple[list[int], list[int]]:
-        sent, received = [0] * self.size, [0] * self.size
-        for u, unit in enumerate(self.units):
-            owner = self.owners[u]
-            for p in self.gather_sources(u):
-                sent[p] += unit.chunk_bytes(p)
-                received[owner] += unit.chunk_bytes(p)
-            for p in self.return_targets(u):
-                sent[owner] += unit.chunk_bytes(p)
-                received[p] += unit.chunk_bytes(p)
-        return sent, received
+    def _traffic(self) -> tuple[list[int], list[int], list[int]]:
+        # Vectorized over positions (a plan may span thousands of ranks); same rule as
+        # gather_sources / return_targets: the owner's replica sends it its rows, and the
+        # owner returns every other position its rows.
+        sent = torch.zeros(self.size, dtype=torch.int64)
+        received = torch.zeros(self.size, dtype=torch.int64)
+        cross = torch.zeros(self.size, dtype=torch.int64)  # only returns cross replicas
+        shards = self.size // self.replicas
+        for unit, owner in zip(self.units, self.owners):
+            chunk = unit.chunk_bytes_by_position()
+            own = int(chunk[owner])
+            first = owner // shards * shards
+            block = slice(first, first + shards)
+            sent[block] += chunk[block]
+            sent[owner] -= own
+            received[owner] += int(chunk[block].sum()) - own
+            received += chunk
+            received[owner] -= own
+            sent[owner] += int(chunk.sum()) - own
+            outside = chunk.clone()
+            outside[block] = 0
+            cross += outside
+            cross[owner] += int(outside.sum())
+        return sent.tolist(), received.tolist(), cross.tolist()
 
     def makespan_cost(self, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> float:
-        """The busiest position's NS FLOPs plus its bytes in and out at ``flops_per_byte``."""
+        """The busiest position's NS FLOPs plus its bytes in and out at ``flops_per_byte``
+        (bytes crossing replica groups at CROSS_REPLICA_COST_FACTOR times that)."""
+        cross_extra = flops_per_byte * (CROSS_REPLICA_COST_FACTOR - 1)
         return max(
-            self.flops(p) + flops_per_byte * (self.bytes_sent(p) + self.bytes_received(p))
+            self.flops(p)
+            + flops_per_byte * (self.bytes_sent(p) + self.bytes_received(p))
+            + cross_extra * self.cross_replica_bytes(p)
             for p in range(self.size)
         )
 
     # ------------------------------------------------------------- balance
 
+    @cached_property
+    def _loads(self) -> tuple[list[int], list[int]]:
+        flops, matrices = [0] * self.size, [0] * self.size
+        for unit, owner in zip(self.units, self.owners):
+            flops[owner] += unit.flops
+            matrices[owner] += unit.count
+        return flops, matrices
+
     def flops(self, position: int) -> int:
-        return sum(unit.flops for unit, owner in zip(self.units, self.owners) if owner == position)
+        """NS FLOPs of the units the rank at ``position`` owns."""
+        return self._loads[0][position]
 
     def matrices(self, position: int) -> int:
-        return sum(unit.count for unit, owner in zip(self.units, self.owners) if owner == position)
+        return self._loads[1][position]
 
     @property
     def imbalance(self) -> float:
         """max/mean NS FLOPs over positions (1.0 is perfect)."""
-        loads = [self.flops(p) for p in range(self.size)]
+        loads = self._loads[0]
         mean = sum(loads) / len(loads)
         return max(loads) / mean if mean else 1.0
 
@@ -151,12 +192,12 @@ def make_plan(
         raise ValueError(f"Invalid {bucket_bytes=}. Must be > 0.")
     costs = [owner_cost(u, size, flops_per_byte) for u in units]
     order = sorted(range(len(units)), key=lambda i: (-costs[i], units[i].name))
-    loads = [0.0] * size
+    least_loaded = [(0.0, p) for p in range(size)]  # a heap: (load, position)
     owners = [0] * len(units)
     for i in order:
-        owner = min(range(size), key=lambda p: (loads[p], p))
+        load, owner = heapq.heappop(least_loaded)
         owners[i] = owner
-        loads[owner] += costs[i]
+        heapq.heappush(least_loaded, (load + costs[i], owner))
     buckets: list[tuple[int, ...]] = []
     current: list[int] = []
     current_bytes = 0
