@@ -373,11 +373,12 @@ class Muon(torch.optim.Optimizer):
                     fingerprint[f"param group {g} {key}"] = repr(value)
             fingerprint[f"param group {g} shapes"] = repr([tuple(p.shape) for p in group["params"]])
         everyone = gather_objects(fingerprint, self._process_group or dist.group.WORLD)
-        for rank, theirs in enumerate(everyone):
-            for key in sorted(set(fingerprint) | set(theirs)):
-                if fingerprint.get(key) != theirs.get(key):
+        first = everyone[0]
+        for rank, theirs in enumerate(everyone[1:], start=1):  # the same verdict on every rank
+            for key in sorted(set(first) | set(theirs)):
+                if first.get(key) != theirs.get(key):
                     raise ValueError(
-                        f"Ranks disagree on the optimizer configuration: {key} is {everyone[0].get(key)} "
+                        f"Ranks disagree on the optimizer configuration: {key} is {first.get(key)} "
                         f"on rank 0 but {theirs.get(key)} on rank {rank}."
                     )
 

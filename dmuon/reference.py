@@ -7,42 +7,35 @@ paths against: same algorithm, written as directly as possible. Pair it with
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import inspect
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dmuon.orthogonalization import NORMALIZATION_EPS, newton_schulz
-from dmuon.optimizer import adjusted_lr_ratio
+from dmuon.optimizer import MUON_KEYS, Muon, adjusted_lr_ratio
+from dmuon.orthogonalization import newton_schulz
 from dmuon.routing import matrix_shape
 
 
-class ReferenceMuon(torch.optim.Optimizer):
-    """Muon on every parameter given (each must be a matrix or a stack of them)."""
+# The reference takes Muon's own defaults, so the two cannot drift apart.
+_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(Muon.__init__).parameters.items()
+    if name in MUON_KEYS
+}
 
-    def __init__(
-        self,
-        params: Iterable[Tensor],
-        lr: float = 1e-3,
-        weight_decay: float = 0.01,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: Any = "polar_express",
-        eps: float = NORMALIZATION_EPS,
-        ns_steps: int = 5,
-        adjust_lr_fn: str | None = "match_rms_adamw",
-        ns_method: str = "auto",
-        ns_dtype: torch.dtype | None = None,
-        ns_restarts: Sequence[int] | None = None,
-        matrix_view: str = "auto",
-    ) -> None:
-        defaults = dict(
-            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-            ns_method=ns_method, ns_dtype=ns_dtype, ns_restarts=ns_restarts, matrix_view=matrix_view,
-        )
-        super().__init__(params, defaults)
+
+class ReferenceMuon(torch.optim.Optimizer):
+    """Muon on every parameter given (each must be a matrix or a stack of them), with
+    :class:`dmuon.Muon`'s Muon hyperparameters (``lr``, ``momentum``, ``ns_*``, …)."""
+
+    def __init__(self, params: Iterable[Tensor], matrix_view: str = "auto", **hyperparameters: Any) -> None:
+        unknown = set(hyperparameters) - set(MUON_KEYS)
+        if unknown:
+            raise TypeError(f"Unknown hyperparameters {sorted(unknown)}; expected some of {MUON_KEYS}.")
+        super().__init__(params, {**_DEFAULTS, **hyperparameters, "matrix_view": matrix_view})
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
