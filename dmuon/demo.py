@@ -1,0 +1,233 @@
+"""``dmuon demo``: AdamW vs torch.optim.Muon vs dmuon.Muon, side by side on one CPU.
+
+Every configuration trains the same model (same preset, same seed, hence the
+same initial weights) on the same synthetic batches, so the differences in loss
+and in time come from the optimizer alone. Only ``optimizer.step()`` is in the
+"opt step" column; the "step" column is forward + backward + step (the data is
+generated outside the timed region).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TextIO
+
+import torch
+from torch import nn
+
+import dmuon
+from dmuon.models import PRESETS, Llama, SyntheticTokens, get_config
+
+OptimizerFactory = Callable[[Llama, float, float], list[torch.optim.Optimizer]]
+"""Builds the optimizer(s) of one configuration from ``(model, lr, weight_decay)``."""
+
+
+def hidden_matrices(model: Llama) -> list[nn.Parameter]:
+    """The Linear weights inside the transformer blocks: what Muon is meant for.
+
+    Embedding, ``lm_head`` and norm weights are not hidden matrices (their
+    rows are looked up or scored independently), so they stay with AdamW.
+    """
+    return [module.weight for module in model.layers.modules() if isinstance(module, nn.Linear)]
+
+
+def adamw(model: Llama, lr: float, weight_decay: float) -> list[torch.optim.Optimizer]:
+    """Baseline (a): AdamW on every parameter."""
+    return [torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)]
+
+
+def torch_muon(model: Llama, lr: float, weight_decay: float) -> list[torch.optim.Optimizer]:
+    """Configuration (b): ``torch.optim.Muon`` on hidden matrices plus AdamW on the rest.
+
+    ``match_rms_adamw`` scales Muon's update to AdamW's typical RMS, which is
+    what lets both optimizers share one ``lr`` and ``weight_decay``.
+    """
+    matrices = hidden_matrices(model)
+    matrix_ids = {id(p) for p in matrices}
+    others = [p for p in model.parameters() if id(p) not in matrix_ids]
+    return [
+        torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.AdamW(others, lr=lr, weight_decay=weight_decay),
+    ]
+
+
+def dmuon_muon(model: Llama, lr: float, weight_decay: float) -> list[torch.optim.Optimizer]:
+    """Configuration (c): one ``dmuon.Muon`` that routes the parameters itself."""
+    return [dmuon.Muon(model, lr=lr, weight_decay=weight_decay)]
+
+
+CONFIGS: dict[str, OptimizerFactory] = {
+    "adamw": adamw,
+    "torch-muon": torch_muon,
+    "dmuon": dmuon_muon,
+}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Outcome of one configuration; also the ``--json`` record."""
+
+    config: str
+    steps: int
+    final_loss: float  # mean training loss over the last few steps
+    opt_step_ms: float  # median time of optimizer.step() alone
+    step_ms: float  # median time of forward + backward + optimizer.step()
+
+
+def train(
+    config: str,
+    make_optimizer: OptimizerFactory,
+    *,
+    preset: str,
+    steps: int,
+    lr: float,
+    weight_decay: float,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    loss_window: int = 10,
+    progress: TextIO | None = None,
+) -> RunResult:
+    """Train ``Llama(preset, seed)`` on ``SyntheticTokens(seed)`` with one optimizer configuration.
+
+    ``config`` only labels the result. ``final_loss`` averages the last
+    ``loss_window`` steps because a single step's loss is noisy.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    model_config = get_config(preset)
+    model = Llama(model_config, seed=seed)
+    optimizers = make_optimizer(model, lr, weight_decay)
+    data = SyntheticTokens(model_config.vocab_size, seed=seed)
+    losses: list[float] = []
+    opt_times: list[float] = []
+    step_times: list[float] = []
+    for step in range(steps):
+        inputs, targets = data.batch(step, batch_size, seq_len)
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        loss = model.loss(inputs, targets)
+        loss.backward()
+        opt_start = time.perf_counter()
+        for optimizer in optimizers:
+            optimizer.step()
+        end = time.perf_counter()
+        losses.append(loss.item())
+        opt_times.append(end - opt_start)
+        step_times.append(end - start)
+        if progress is not None:
+            _report(progress, config, step + 1, steps, losses[-1])
+    return RunResult(
+        config=config,
+        steps=steps,
+        final_loss=statistics.fmean(losses[-loss_window:]),
+        opt_step_ms=1e3 * statistics.median(opt_times),
+        step_ms=1e3 * statistics.median(step_times),
+    )
+
+
+def _report(stream: TextIO, config: str, step: int, steps: int, loss: float) -> None:
+    """One progress line per configuration: rewritten in place on a terminal, printed once when done otherwise."""
+    line = f"{config}: step {step}/{steps}  loss {loss:.3f}"
+    if stream.isatty():
+        stream.write(f"\r{line}" + ("\n" if step == steps else ""))
+        stream.flush()
+    elif step == steps:
+        stream.write(line + "\n")
+
+
+def format_table(results: Sequence[RunResult], baseline: str = "adamw") -> str:
+    """Plain-text table of ``results``; time ratios are relative to ``baseline`` (or the first result)."""
+    if not results:
+        return ""
+    base = next((r for r in results if r.config == baseline), results[0])
+    header = ("config", "steps", "final loss", "opt step ms", f"x {base.config}", "step ms", f"x {base.config}")
+    rows = [header] + [
+        (
+            r.config,
+            str(r.steps),
+            f"{r.final_loss:.4f}",
+            f"{r.opt_step_ms:.2f}",
+            f"{r.opt_step_ms / base.opt_step_ms:.2f}",
+            f"{r.step_ms:.2f}",
+            f"{r.step_ms / base.step_ms:.2f}",
+        )
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _config_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CONFIGS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown configuration(s) {unknown}; valid: {', '.join(CONFIGS)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``dmuon demo``; defaults take about 1-2 minutes on two CPU cores."""
+    parser.add_argument("--steps", type=int, default=200, help="steps per configuration (default: %(default)s)")
+    parser.add_argument("--preset", choices=list(PRESETS), default="demo", help="model preset (default: %(default)s)")
+    parser.add_argument(
+        "--lr", type=float, default=3e-3, help="learning rate of all configurations (default: %(default)s)"
+    )
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
+    parser.add_argument(
+        "--configs",
+        type=_config_list,
+        default=list(CONFIGS),
+        help="comma-separated configurations to run, in order: adamw (AdamW on everything), torch-muon "
+        "(torch.optim.Muon on the block matrices + AdamW on the rest), dmuon (dmuon.Muon) (default: all)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write one JSON record per configuration to PATH")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the configurations in ``args.configs`` and print the comparison table."""
+    torch.set_num_threads(args.threads)
+    vocab_size = get_config(args.preset).vocab_size
+    print(
+        f"preset {args.preset}, {args.steps} steps of {args.batch_size}x{args.seq_len} tokens, lr {args.lr}, "
+        f"weight decay {args.weight_decay}, {args.threads} threads; "
+        f"untrained loss ~ log({vocab_size}) = {math.log(vocab_size):.2f}",
+        flush=True,
+    )
+    results = [
+        train(
+            name,
+            CONFIGS[name],
+            preset=args.preset,
+            steps=args.steps,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            seed=args.seed,
+            progress=sys.stderr,
+        )
+        for name in args.configs
+    ]
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
+            f.write("\n")
+    return 0
