@@ -12,7 +12,8 @@ same processes, one after the other, so the ratios compare like with like on a n
     fsdp-dmuon       FSDP2 + dmuon.Muon
 
 Times are medians over the measured steps of the slowest rank; "bytes/step" is what
-dmuon.Muon's own collectives sent per rank (the other optimizers' traffic is not counted).
+dmuon.Muon's own collectives sent, averaged over ranks (the other optimizers' traffic is not
+counted).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class BenchResult:
     world_size: int
     opt_step_ms: float
     step_ms: float
-    bytes_per_step: int | None
+    bytes_per_step: float | None  # mean over ranks of what dmuon.Muon's collectives sent
     final_loss: float
 
 
@@ -86,9 +87,10 @@ def _run_config(name: str, args: argparse.Namespace, rank: int, world: int) -> B
             sent.append(stats.bytes_sent if stats is not None else None)
     slowest = torch.tensor([statistics.median(opt_times), statistics.median(step_times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    global_loss = torch.tensor(statistics.mean(losses[-3:]), dtype=torch.float64)
-    dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
-    return BenchResult(name, world, slowest[0].item() * 1e3, slowest[1].item() * 1e3, sent[-1], global_loss.item())
+    averaged = torch.tensor([statistics.mean(losses[-3:]), sent[-1] or 0], dtype=torch.float64)
+    dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
+    mean_sent = averaged[1].item() if sent[-1] is not None else None
+    return BenchResult(name, world, slowest[0].item() * 1e3, slowest[1].item() * 1e3, mean_sent, averaged[0].item())
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -117,7 +119,7 @@ def format_table(results: list[BenchResult]) -> str:
         vanilla, adamw = by_name.get(f"{parallel}-torch-muon"), by_name.get(f"{parallel}-adamw")
         opt_ratio = f"{r.opt_step_ms / vanilla.opt_step_ms:.2f}" if vanilla else "-"
         step_ratio = f"{r.step_ms / adamw.step_ms:.2f}" if adamw else "-"
-        sent = f"{r.bytes_per_step:,}" if r.bytes_per_step is not None else "-"
+        sent = f"{r.bytes_per_step:,.0f}" if r.bytes_per_step is not None else "-"
         lines.append(f"{r.config:<16} {r.opt_step_ms:>11.1f} {r.step_ms:>9.1f} {sent:>11} {r.final_loss:>7.3f} "
                      f"{opt_ratio:>11} {step_ratio:>10}")
     for parallel in ("ddp", "fsdp"):

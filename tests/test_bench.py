@@ -1,0 +1,30 @@
+"""`dmuon bench`: the table arithmetic, and one tiny end-to-end run on spawned gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+from dmuon.bench import BenchResult, format_table
+from dmuon.cli import main
+
+
+def test_table_ratios():
+    results = [
+        BenchResult("fsdp-adamw", 2, 10.0, 100.0, None, 5.0),
+        BenchResult("fsdp-torch-muon", 2, 80.0, 180.0, None, 4.0),
+        BenchResult("fsdp-dmuon", 2, 20.0, 110.0, 1234, 4.0),
+    ]
+    table = format_table(results)
+    dmuon_row = next(line for line in table.splitlines() if line.startswith("fsdp-dmuon"))
+    assert "0.25" in dmuon_row and "1.10" in dmuon_row and "1,234" in dmuon_row
+    assert "0.12 of vanilla Muon's" in table  # (110 - 100) / (180 - 100)
+
+
+def test_tiny_run_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0",
+                 "--configs", "fsdp-adamw,fsdp-dmuon", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [r["config"] for r in records] == ["fsdp-adamw", "fsdp-dmuon"]
+    assert records[1]["bytes_per_step"] > 0 and records[0]["bytes_per_step"] is None
+    assert all(r["world_size"] == 2 and r["step_ms"] > 0 for r in records)
