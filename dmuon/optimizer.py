@@ -365,13 +365,21 @@ class Muon(torch.optim.Optimizer):
         return self._engine.stats
 
     def _check_ranks_agree(self) -> None:
-        """Raise on every rank if ranks were given different configurations (one collective)."""
+        """Raise on every rank if ranks were given different configurations (one collective).
+
+        Muon groups must match exactly — their matrices take part in collectives. AdamW groups
+        are element-wise and local, so only their hyperparameters must match: a rank may hold
+        AdamW parameters that others lack (or none at all).
+        """
         fingerprint = {"options": repr(self._engine_options)}
         for g, group in enumerate(self.param_groups):
             for key, value in group.items():
-                if key not in ("params", "initial_lr"):
+                if key not in ("params", "initial_lr", "param_names"):
                     fingerprint[f"param group {g} {key}"] = repr(value)
-            fingerprint[f"param group {g} shapes"] = repr([tuple(p.shape) for p in group["params"]])
+            if group["algorithm"] == "muon":
+                fingerprint[f"param group {g} parameters"] = repr(
+                    list(zip(group.get("param_names", []), [tuple(p.shape) for p in group["params"]]))
+                )
         everyone = gather_objects(fingerprint, self._process_group or dist.group.WORLD)
         first = everyone[0]
         for rank, theirs in enumerate(everyone[1:], start=1):  # the same verdict on every rank

@@ -6,6 +6,8 @@ shard of the parameters and momentum with the reference's rows."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import dmuon
 from dmuon.reference import ReferenceMuon
-from tests.distributed import WORLD_SIZES, WorkerError, run_on_ranks
+from tests.distributed import WORLD_SIZES, run_on_ranks
 
 SHAPES = [(64, 32), (32, 96), (48, 48), (7, 5), (3, 16), (3, 8, 12), (16, 96), (16, 96)]
 HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, ns_method="standard", ns_dtype=torch.float32)
@@ -201,40 +203,63 @@ def test_missing_gradients_on_all_or_some_ranks():
     assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
 
 
-def empty_group_on_some_ranks() -> bool:
-    """A param group that holds parameters on rank 0 only (different per-rank models are not
-    DDP); here: an AdamW-only extra group whose tensors differ per rank must not break Muon."""
-    init = full_tensors(SHAPES[:2], 0)
+def adamw_group_empty_on_some_ranks() -> dict:
+    """An AdamW group that holds a tensor on rank 0 only (element-wise and local, so allowed),
+    beside a Muon group that every rank shares: Muon parity still holds."""
+    init = full_tensors(SHAPES[:3], 0)
     params = [nn.Parameter(t.clone()) for t in init]
+    ref_params = [nn.Parameter(t.clone()) for t in init]
     extra = [nn.Parameter(torch.ones(3))] if dist.get_rank() == 0 else []
     opt = dmuon.Muon([{"params": params, "algorithm": "muon"}, {"params": extra, "algorithm": "adamw"}], **HPARAMS)
-    return opt is not None
+    ref = ReferenceMuon(ref_params, **HPARAMS)
+    for step in range(2):
+        for p, r, g in zip(params, ref_params, full_tensors(SHAPES[:3], 100 + step)):
+            p.grad, r.grad = g.clone(), g.clone()
+        for e in extra:
+            e.grad = torch.ones(3)
+        opt.step()
+        ref.step()
+    return dict(equal=all(torch.equal(p, r) for p, r in zip(params, ref_params)),
+                extra_moved=[not torch.equal(e, torch.ones(3)) for e in extra])
 
 
-def test_rank_divergent_configuration_is_detected_on_every_rank():
-    with pytest.raises(WorkerError) as info:
-        run_on_ranks(2, divergent_config)
-    message = str(info.value)
-    assert "Ranks disagree" in message and "lr" in message
-    assert "rank 0" in message and "rank 1" in message
+def test_adamw_group_empty_on_some_ranks():
+    results = run_on_ranks(3, adamw_group_empty_on_some_ranks)
+    assert all(r["equal"] for r in results)
+    assert results[0]["extra_moved"] == [True] and results[1]["extra_moved"] == []
 
 
-def divergent_config() -> None:
+def error_of(fn, *args) -> str | None:
+    """Run ``fn`` on this rank; the exception it raised, as "Type: message", or None."""
+    try:
+        fn(*args)
+    except Exception as err:  # noqa: BLE001 - the test inspects whichever error it was
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def divergent_lr() -> None:
     params = [nn.Parameter(t) for t in full_tensors(SHAPES[:2], 0)]
     dmuon.Muon(params, lr=0.01 * (1 + dist.get_rank()))
 
 
-def test_divergent_parameter_sets_are_detected():
-    with pytest.raises(WorkerError, match="Ranks disagree"):
-        run_on_ranks(2, empty_group_on_some_ranks)
+def muon_parameters_differ_across_ranks() -> None:
+    shapes = SHAPES[:2] if dist.get_rank() == 0 else SHAPES[:3]
+    dmuon.Muon([nn.Parameter(t) for t in full_tensors(shapes, 0)])
 
 
-def unsupported_layout() -> None:
+def tensor_parallel_layout() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     param = nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)]))
     dmuon.Muon([param])
 
 
-def test_unsupported_layout_raises_naming_the_parameter():
-    with pytest.raises(WorkerError, match=r"NotImplementedError.*Shard\(dim=1\)"):
-        run_on_ranks(2, unsupported_layout)
+@pytest.mark.parametrize("fn,expected", [
+    (divergent_lr, r"ValueError: Ranks disagree .*param group 0 lr is 0.01 on rank 0 but 0.02 on rank 1"),
+    (muon_parameters_differ_across_ranks, r"ValueError: Ranks disagree .*on rank 0 but .* on rank 1"),
+    (tensor_parallel_layout, r"NotImplementedError: .*'group0.param0'.*Shard\(dim=1\)"),
+])
+def test_bad_setups_raise_the_same_error_on_every_rank(fn, expected):
+    errors = run_on_ranks(2, error_of, fn)
+    assert errors[0] is not None and errors[0] == errors[1]
+    assert re.match(expected, errors[0]), errors[0]
