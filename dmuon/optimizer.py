@@ -94,11 +94,24 @@ def validate_adamw_group(group: dict[str, Any], where: str = "") -> None:
         _check_range(f"betas[{i}]", beta, where, 0.0, 1.0)
 
 
+def dtype_name(value: torch.dtype | str | None, where: str = "") -> str | None:
+    """``ns_dtype`` as param groups keep it: a name ("bfloat16") or None, since DCP's full and
+    CPU-offloaded state dicts accept only plain values in param groups."""
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"Invalid ns_dtype={value!r}{where}. Must be a floating torch.dtype, its name, or None.")
+    return name
+
+
 def _ns_config(group: dict[str, Any], shape: Sequence[int], device_type: str) -> NSConfig:
+    name = dtype_name(group["ns_dtype"])
     return resolve_config(
         shape, device_type, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-        method=group["ns_method"], dtype=group["ns_dtype"], restarts=group["ns_restarts"],
-        eps=group["eps"],
+        method=group["ns_method"], dtype=getattr(torch, name) if name else None,
+        restarts=group["ns_restarts"], eps=group["eps"],
     )
 
 
@@ -150,7 +163,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str | None = "match_rms_adamw",
         ns_method: str = "auto",
-        ns_dtype: torch.dtype | None = None,
+        ns_dtype: torch.dtype | str | None = None,
         ns_restarts: Sequence[int] | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
@@ -260,6 +273,7 @@ class Muon(torch.optim.Optimizer):
             if alg == "muon":
                 for key in MUON_KEYS:
                     group.setdefault(key, self.defaults[key])
+                group["ns_dtype"] = dtype_name(group["ns_dtype"], where)
                 group["matrix_views"] = [v for _, _, v in members]
                 validate_muon_group(group, where)
             else:

@@ -176,6 +176,13 @@ def test_explicit_groups_override_and_split():
     assert opt.param_groups[2]["lr"] == 0.1 and "betas" not in opt.param_groups[2]
 
 
+def test_ns_dtype_is_kept_by_name():
+    """Param groups hold plain values only (DCP's full state dicts reject a torch.dtype)."""
+    for given in (torch.float32, "float32", "torch.float32"):
+        opt = dmuon.Muon(make_net(), ns_dtype=given)
+        assert opt.param_groups[0]["ns_dtype"] == "float32"
+
+
 def test_adamw_options():
     net = make_net()
     opt = dmuon.Muon(net, lr=0.1, weight_decay=0.2, adamw_lr=0.003, adamw_weight_decay=0.0, adamw_betas=(0.5, 0.6))
