@@ -6,14 +6,17 @@ Per exchange group, for buckets k = 0, 1, …::
     start gather(k+1)          # in flight while …
     wait gather(k); NS on the units this rank owns in k (same shape+config stacked)
     start return(k)
-    wait return(k−1); hand out its updates
+    wait return(k−1); apply its updates
 
-so at most two buckets of gathered inputs and two of returned updates exist at once.
+Memory stays bounded by buckets, not by the model: a work's Newton–Schulz input is computed
+only when its bucket needs it (and only on the ranks that send or own it), and each update is
+applied as soon as it arrives — at most two buckets of gathered inputs and two of returned
+updates exist at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,14 +31,18 @@ from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Un
 
 @dataclass
 class MatrixWork:
-    """One Muon parameter's Newton–Schulz input for this step.
+    """One Muon parameter's orthogonalization in this step.
 
-    ``local_input`` is what this rank holds of the input (its shard, or the whole tensor); the
-    whole input is ``count`` m×n matrices, laid out as ``layout.shape``.
+    ``local_input()`` computes what this rank holds of the Newton–Schulz input (its shard, or
+    the whole tensor; shaped ``local_shape``); the whole input is ``count`` m×n matrices, laid
+    out as ``layout.shape``. ``apply(update)`` consumes this rank's piece of the result.
     """
 
     name: str
-    local_input: Tensor
+    local_input: Callable[[], Tensor]
+    apply: Callable[[Tensor], None]
+    local_shape: tuple[int, ...]
+    dtype: torch.dtype
     layout: Layout
     group: dist.ProcessGroup | None
     count: int
@@ -87,7 +94,7 @@ class Orthogonalizer:
         self._plans: dict[tuple, Plan] = {}
 
     def wire_dtype(self, work: MatrixWork) -> torch.dtype:
-        return self.comm_dtype or work.local_input.dtype
+        return self.comm_dtype or work.dtype
 
     def wire_itemsize(self, work: MatrixWork) -> int:
         return torch.empty(0, dtype=self.wire_dtype(work)).element_size()
@@ -122,22 +129,17 @@ class Orthogonalizer:
         self.counter.reset()
         self.stats = StepStats()
 
-    def run(self, works: Sequence[MatrixWork]) -> list[Tensor]:
-        """Every work's update, shaped like its ``local_input``."""
-        updates: list[Tensor | None] = [None] * len(works)
+    def run(self, works: Sequence[MatrixWork]) -> None:
+        """Orthogonalize every work and hand each rank's piece of the update to ``work.apply``."""
         for members in self._by_group(works):
-            group_works = [works[i] for i in members]
-            for i, update in zip(members, self._run_group(group_works)):
-                updates[i] = update
+            self._run_group([works[i] for i in members])
         self.stats.bytes_sent = self.counter.bytes_sent
         self.stats.collectives = self.counter.collectives
-        return updates  # type: ignore[return-value]
 
-    def _run_group(self, works: list[MatrixWork]) -> list[Tensor]:
+    def _run_group(self, works: list[MatrixWork]) -> None:
         plan = self.plan_for(works)
         group = works[0].group
         me = plan.units[0].layout.group_ranks.index(dist.get_rank()) if group is not None else 0
-        updates: list[Tensor | None] = [None] * len(works)
         returns: list[tuple[int, PendingExchange | None, dict[int, Tensor]]] = []
         gathers = {0: self._start_gather(plan, 0, works, group, me)} if plan.buckets else {}
         for k in range(len(plan.buckets)):
@@ -146,10 +148,9 @@ class Orthogonalizer:
             owned = self._orthogonalize_owned(plan, k, works, gathers.pop(k), me)
             returns.append((k, self._start_return(plan, k, works, owned, group, me), owned))
             if len(returns) > 1:
-                self._finish_return(plan, *returns.pop(0), works, me, updates)
+                self._finish_return(plan, *returns.pop(0), works, me)
         for pending in returns:
-            self._finish_return(plan, *pending, works, me, updates)
-        return updates  # type: ignore[return-value]
+            self._finish_return(plan, *pending, works, me)
 
     # ------------------------------------------------------------------ gather
 
@@ -162,7 +163,7 @@ class Orthogonalizer:
         for u in bucket:
             owner, sources = plan.owners[u], plan.gather_sources(u)
             if me in sources:
-                sends[owner].append(works[u].local_input)
+                sends[owner].append(works[u].local_input())
             if owner == me:
                 for p in sources:
                     recv_splits[p] += plan.units[u].chunk_bytes(p) // plan.units[u].itemsize
@@ -184,7 +185,7 @@ class Orthogonalizer:
             first = me // layout.shards * layout.shards
             for p in range(first, first + layout.shards):
                 if p == me:
-                    pieces.append(work.local_input.reshape(-1).to(self.wire_dtype(work)))
+                    pieces.append(work.local_input().reshape(-1).to(self.wire_dtype(work)))
                 else:
                     size = plan.units[u].chunk_bytes(p) // plan.units[u].itemsize
                     pieces.append(received[p][offsets[p] : offsets[p] + size])
@@ -221,7 +222,7 @@ class Orthogonalizer:
         dtype = self.wire_dtype(works[bucket[0]])
         return start_all_to_all(sends, recv_splits, group, me, dtype, self.counter)
 
-    def _finish_return(self, plan: Plan, k: int, pending, owned, works, me: int, updates: list) -> None:
+    def _finish_return(self, plan: Plan, k: int, pending, owned, works, me: int) -> None:
         received = pending.wait() if pending is not None else None
         offsets = [0] * plan.size
         for u in plan.buckets[k]:
@@ -232,4 +233,4 @@ class Orthogonalizer:
                 size = plan.units[u].chunk_bytes(me) // plan.units[u].itemsize
                 piece = received[owner][offsets[owner] : offsets[owner] + size]
                 offsets[owner] += size
-            updates[u] = piece.reshape(work.local_input.shape)
+            work.apply(piece.reshape(work.local_shape))

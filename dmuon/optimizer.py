@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import partial
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -337,8 +338,9 @@ class Muon(torch.optim.Optimizer):
             out.extend(zip(names, group["params"], [group] * len(names), group["matrix_views"]))
         return out
 
-    def _works(self, entries: list, inputs: dict[int, Tensor]) -> list[MatrixWork]:
-        """The orthogonalization work of Muon parameter ``entries`` (inputs: id → local NS input)."""
+    def _works(self, entries: list, inputs: dict[int, Callable[[], Tensor]]) -> list[MatrixWork]:
+        """The orthogonalization work of Muon parameter ``entries`` (inputs: id → a function
+        computing the local NS input)."""
         split = self._replica_split
         if split is None:  # HSDP: the cost model decides whether replicas split the work
             works = [self._work(e, inputs, True) for e in entries]
@@ -352,18 +354,27 @@ class Muon(torch.optim.Optimizer):
             split = False
         return [self._work(e, inputs, split) for e in entries]
 
-    def _work(self, entry, inputs: dict[int, Tensor], split: bool) -> MatrixWork:
+    def _work(self, entry, inputs: dict[int, Callable[[], Tensor]], split: bool) -> MatrixWork:
         name, p, group, view = entry
         layout, process_group = detect_layout(p, name, self._process_group, split)
         count, m, n = matrix_shape(p.shape, view)
         config = _ns_config(group, (m, n), p.device.type)
-        return MatrixWork(name, inputs[id(p)], layout, process_group, count, m, n, config)
+        local = _local(p)
+
+        def apply(update: Tensor) -> None:
+            lr = float(group["lr"])
+            local.mul_(1 - lr * group["weight_decay"])
+            local.add_(update.to(local.dtype), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], m, n))
+
+        return MatrixWork(name, inputs[id(p)], apply, tuple(local.shape), local.dtype, layout, process_group,
+                          count, m, n, config)
 
     @property
     def plans(self) -> list[Plan]:
         """The plan of each exchange group (usually one): owners, buckets, bytes; see Plan.table()."""
         entries = self._muon_params()
-        return self._engine.plans_for(self._works(entries, {id(p): _local(p) for _, p, _, _ in entries}))
+        # a plan needs shapes and layouts only: no inputs are computed
+        return self._engine.plans_for(self._works(entries, dict.fromkeys(id(p) for _, p, _, _ in entries)))
 
     @property
     def plan(self) -> Plan:
@@ -424,9 +435,7 @@ class Muon(torch.optim.Optimizer):
             else:
                 self._adamw(group)
         entries = [e for e in self._muon_params() if id(e[1]) in inputs]
-        works = self._works(entries, inputs)
-        for (_, p, group, _), work, update in zip(entries, works, self._engine.run(works)):
-            self._apply(p, group, work, update)
+        self._engine.run(self._works(entries, inputs))
         return loss
 
     def _agree_on_gradients(self) -> set[int] | None:
@@ -472,8 +481,9 @@ class Muon(torch.optim.Optimizer):
                 raise RuntimeError("Muon does not support sparse gradients.")
         return params
 
-    def _momentum(self, group: dict[str, Any], stepped: set[int]) -> dict[int, Tensor]:
-        """Update the momentum of the group's parameters; their NS inputs (local pieces)."""
+    def _momentum(self, group: dict[str, Any], stepped: set[int]) -> dict[int, Callable[[], Tensor]]:
+        """Update the momentum of the group's parameters; return functions computing their NS
+        inputs (local pieces), called only where and when the exchange needs them."""
         momentum, nesterov = group["momentum"], group["nesterov"]
         inputs = {}
         for p in self._params_with_grad(group):
@@ -484,14 +494,8 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
             buf.lerp_(grad, 1 - momentum)
-            inputs[id(p)] = grad.lerp(buf, momentum) if nesterov else buf
+            inputs[id(p)] = partial(torch.lerp, grad, buf, momentum) if nesterov else partial(torch.Tensor.view_as, buf, buf)
         return inputs
-
-    def _apply(self, p: Tensor, group: dict[str, Any], work: MatrixWork, update: Tensor) -> None:
-        lr = float(group["lr"])
-        local = _local(p)
-        local.mul_(1 - lr * group["weight_decay"])
-        local.add_(update.to(local.dtype), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], work.m, work.n))
 
     def _adamw(self, group: dict[str, Any]) -> None:
         params = self._params_with_grad(group)
