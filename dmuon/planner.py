@@ -28,7 +28,7 @@ import torch
 
 from dmuon.layout import Layout, chunk_sizes
 
-DEFAULT_BUCKET_BYTES = 32 * 2**20
+DEFAULT_BUCKET_BYTES = 8 * 2**20
 # Cost-model exchange rate: one byte moved by the owner costs as much time as this many FLOPs
 # (≈ a CPU core's ~100 GFLOP/s against ~1 GB/s of loopback gloo; a GPU's ratio is similar:
 # ~800 TFLOP/s against ~50–450 GB/s). Only the relative cost of owners matters here.
