@@ -1,8 +1,7 @@
 """``dmuon bench``: data-parallel training side by side — AdamW, vanilla Muon and dmuon.Muon
-under DDP and FSDP2 — on gloo ranks this command spawns itself (no torchrun).
+under DDP and FSDP2 — on ranks this command spawns itself (no torchrun).
 
-Every configuration trains the same model from the same weights on the same batches, in the
-same processes, one after the other, so the ratios compare like with like on a noisy machine:
+Every configuration trains the same model from the same weights on the same batches:
 
     ddp-adamw        DDP + torch.optim.AdamW
     ddp-torch-muon   DDP + torch.optim.Muon on every rank (each rank orthogonalizes everything)
@@ -11,9 +10,11 @@ same processes, one after the other, so the ratios compare like with like on a n
     ddp-dmuon        DDP + dmuon.Muon
     fsdp-dmuon       FSDP2 + dmuon.Muon
 
-Times are medians over the measured steps of the slowest rank; "bytes/step" is what
-dmuon.Muon's own collectives sent, averaged over ranks (the other optimizers' traffic is not
-counted).
+Each configuration runs in freshly spawned ranks, so that its peak memory is its own: "peak
+mem" is the largest rise of a rank's resident memory (CPU; sampled every 2 ms) or of its
+allocated device memory (CUDA) over what the rank held before building the model. Times are
+medians over the measured steps of the slowest rank; "bytes/step" is what dmuon.Muon's own
+collectives sent, averaged over ranks (the other optimizers' traffic is not counted).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -35,6 +37,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon.demo import CONFIGS as OPTIMIZERS
+from dmuon.demo import report_progress
 from dmuon.models import PRESETS, Llama, SyntheticTokens, get_config
 
 CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon")
@@ -42,86 +45,157 @@ CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-
 
 @dataclass(frozen=True)
 class BenchResult:
+    """One configuration's numbers; also the ``--json`` record."""
+
     config: str
     world_size: int
     opt_step_ms: float
     step_ms: float
     bytes_per_step: float | None  # mean over ranks of what dmuon.Muon's collectives sent
+    peak_mem_bytes: int  # largest per-rank rise over the memory held before the model existed
     final_loss: float
 
 
-def _wrap(model: Llama, parallel: str, world: int):
+class PeakMemory:
+    """Largest resident (CPU) or allocated (CUDA) memory of this process above a baseline."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.baseline = self._current()
+        self.peak = self.baseline
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+
+    def _current(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._current())
+
+    def stop(self) -> int:
+        """The peak rise over the baseline, in bytes."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self._current())
+        else:
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        return self.peak - self.baseline
+
+
+def _wrap(model: Llama, parallel: str, world: int, device: torch.device):
     if parallel == "ddp":
-        return DistributedDataParallel(model)
-    mesh = init_device_mesh("cpu", (world,))
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    mesh = init_device_mesh(device.type, (world,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
 
-def _run_config(name: str, args: argparse.Namespace, rank: int, world: int) -> BenchResult:
+def _train(name: str, args: argparse.Namespace, rank: int, world: int, device: torch.device) -> BenchResult:
     parallel, optimizer = name.split("-", 1)
-    config = get_config(args.preset)
-    model = Llama(config, seed=args.seed)
-    wrapped = _wrap(model, parallel, world)
+    config = get_config(args.preset, **({"n_layers": args.layers} if args.layers else {}))
+    memory = PeakMemory(device)
+    model = Llama(config, seed=args.seed).to(device)
+    wrapped = _wrap(model, parallel, world, device)
     optimizers = OPTIMIZERS[optimizer](model, args.lr, args.weight_decay)
     data = SyntheticTokens(config.vocab_size, seed=args.seed)
     opt_times, step_times, losses, sent = [], [], [], []
     for step in range(args.warmup + args.steps):
-        inputs, targets = data.local_batch(step, args.batch_size * world, args.seq_len, rank, world)
+        inputs, targets = (t.to(device) for t in data.local_batch(step, args.batch_size * world, args.seq_len, rank, world))
+        _sync(device)
         start = time.perf_counter()
         logits = wrapped(inputs)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         for opt in optimizers:
             opt.zero_grad()
         loss.backward()
+        _sync(device)
         opt_start = time.perf_counter()
         for opt in optimizers:
             opt.step()
+        _sync(device)
         end = time.perf_counter()
+        losses.append(loss.item())
         if step >= args.warmup:
             opt_times.append(end - opt_start)
             step_times.append(end - start)
-            losses.append(loss.item())
             stats = getattr(optimizers[0], "last_step_stats", None)
             sent.append(stats.bytes_sent if stats is not None else None)
-    slowest = torch.tensor([statistics.median(opt_times), statistics.median(step_times)], dtype=torch.float64)
+        if rank == 0:
+            report_progress(sys.stderr, name, step + 1, args.warmup + args.steps, losses[-1])
+    peak = memory.stop()
+    slowest = torch.tensor([statistics.median(opt_times), statistics.median(step_times), peak],
+                           dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    averaged = torch.tensor([statistics.mean(losses[-3:]), sent[-1] or 0], dtype=torch.float64)
+    averaged = torch.tensor([statistics.mean(losses[-3:]), sent[-1] or 0], dtype=torch.float64, device=device)
     dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
-    mean_sent = averaged[1].item() if sent[-1] is not None else None
-    return BenchResult(name, world, slowest[0].item() * 1e3, slowest[1].item() * 1e3, mean_sent, averaged[0].item())
+    return BenchResult(
+        name, world, slowest[0].item() * 1e3, slowest[1].item() * 1e3,
+        averaged[1].item() if sent[-1] is not None else None, int(slowest[2].item()), averaged[0].item(),
+    )
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _worker(rank: int, world: int, port: int, name: str, args: argparse.Namespace, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
     try:
-        for name in args.configs:
-            result = _run_config(name, args, rank, world)
-            if rank == 0:
-                print(f"  {name:<16} done: step {result.step_ms:8.1f} ms", file=sys.stderr, flush=True)
-                queue.put(result)
+        result = _train(name, args, rank, world, device)
+        if rank == 0:
+            queue.put(result)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(name: str, args: argparse.Namespace) -> BenchResult:
+    """Spawn ``args.world_size`` fresh ranks, train configuration ``name`` there, return its result."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, args=(args.world_size, _free_port(), name, args, queue),
+                       nprocs=args.world_size, join=True, start_method="spawn")
+    return queue.get()
+
+
 def format_table(results: list[BenchResult]) -> str:
     """One row per configuration, with ratios against AdamW and vanilla Muon of the same parallelism."""
     by_name = {r.config: r for r in results}
-    header = (f"{'config':<16} {'opt step ms':>11} {'step ms':>9} {'bytes/step':>11} {'loss':>7} "
-              f"{'opt/vanilla':>11} {'step/adamw':>10}")
+    header = (f"{'config':<16} {'opt step ms':>11} {'step ms':>9} {'bytes/step':>12} {'peak mem MB':>11} "
+              f"{'loss':>7} {'opt/vanilla':>11} {'step/adamw':>10} {'mem/adamw':>9}")
     lines = [header]
     for r in results:
         parallel = r.config.split("-", 1)[0]
         vanilla, adamw = by_name.get(f"{parallel}-torch-muon"), by_name.get(f"{parallel}-adamw")
         opt_ratio = f"{r.opt_step_ms / vanilla.opt_step_ms:.2f}" if vanilla else "-"
         step_ratio = f"{r.step_ms / adamw.step_ms:.2f}" if adamw else "-"
+        mem_ratio = f"{r.peak_mem_bytes / adamw.peak_mem_bytes:.2f}" if adamw and adamw.peak_mem_bytes else "-"
         sent = f"{r.bytes_per_step:,.0f}" if r.bytes_per_step is not None else "-"
-        lines.append(f"{r.config:<16} {r.opt_step_ms:>11.1f} {r.step_ms:>9.1f} {sent:>11} {r.final_loss:>7.3f} "
-                     f"{opt_ratio:>11} {step_ratio:>10}")
+        lines.append(f"{r.config:<16} {r.opt_step_ms:>11.1f} {r.step_ms:>9.1f} {sent:>12} "
+                     f"{r.peak_mem_bytes / 2**20:>11.1f} {r.final_loss:>7.3f} {opt_ratio:>11} "
+                     f"{step_ratio:>10} {mem_ratio:>9}")
     for parallel in ("ddp", "fsdp"):
         names = [f"{parallel}-adamw", f"{parallel}-torch-muon", f"{parallel}-dmuon"]
         if all(n in by_name for n in names):
@@ -132,9 +206,34 @@ def format_table(results: list[BenchResult]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list[BenchResult], path: str) -> None:
+    """Bar charts of step time, optimizer-step time and peak memory per configuration (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'dmuon[bench]'") from None
+    names = [r.config for r in results]
+    panels = [("step ms", [r.step_ms for r in results]), ("optimizer step ms", [r.opt_step_ms for r in results]),
+              ("peak memory MB", [r.peak_mem_bytes / 2**20 for r in results])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (title, values) in zip(axes, panels):
+        ax.barh(names, values, color=["tab:red" if "dmuon" in n else "tab:gray" for n in names])
+        ax.set_title(title)
+        ax.invert_yaxis()
+    fig.suptitle(f"dmuon bench, world size {results[0].world_size}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo ranks; cuda: one GPU per rank with NCCL")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="bench")
+    parser.add_argument("--layers", type=int, help="override the preset's depth (real shapes, fewer layers)")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per configuration")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
@@ -146,24 +245,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS),
                         help=f"comma-separated subset of {','.join(CONFIGS)}")
     parser.add_argument("--json", metavar="PATH", help="write one record per configuration")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of the results (needs matplotlib)")
 
 
 def run(args: argparse.Namespace) -> int:
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; choose from {CONFIGS}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    print(f"dmuon bench: {args.preset} preset, {args.world_size} gloo ranks x {args.threads} thread(s)",
-          file=sys.stderr, flush=True)
-    mp.start_processes(_worker, args=(args.world_size, port, args, queue), nprocs=args.world_size,
-                       join=True, start_method="spawn")
-    results = [queue.get() for _ in args.configs]
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit(f"need --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.device == "cuda" and args.world_size > torch.cuda.device_count():
+        raise SystemExit(f"--world-size {args.world_size} needs as many GPUs; {torch.cuda.device_count()} visible")
+    print(f"dmuon bench: {args.preset} preset, {args.world_size} {args.device} ranks x {args.threads} thread(s), "
+          f"{len(args.configs)} configurations", file=sys.stderr, flush=True)
+    results = []
+    for i, name in enumerate(args.configs, start=1):
+        print(f"[{i}/{len(args.configs)}] {name}", file=sys.stderr, flush=True)
+        results.append(run_config(name, args))
     print(format_table(results))
+    if args.device == "cuda":
+        from dmuon.throughput import gpu_report
+
+        print(gpu_report(torch.device("cuda", 0)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
     return 0

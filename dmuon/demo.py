@@ -123,7 +123,7 @@ def train(
         opt_times.append(end - opt_start)
         step_times.append(end - start)
         if progress is not None:
-            _report(progress, config, step + 1, steps, losses[-1])
+            report_progress(progress, config, step + 1, steps, losses[-1])
     return RunResult(
         config=config,
         steps=steps,
@@ -133,7 +133,7 @@ def train(
     )
 
 
-def _report(stream: TextIO, config: str, step: int, steps: int, loss: float) -> None:
+def report_progress(stream: TextIO, config: str, step: int, steps: int, loss: float) -> None:
     """One progress line per configuration: rewritten in place on a terminal, printed once when done otherwise."""
     line = f"{config}: step {step}/{steps}  loss {loss:.3f}"
     if stream.isatty():

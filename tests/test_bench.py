@@ -10,13 +10,13 @@ from dmuon.cli import main
 
 def test_table_ratios():
     results = [
-        BenchResult("fsdp-adamw", 2, 10.0, 100.0, None, 5.0),
-        BenchResult("fsdp-torch-muon", 2, 80.0, 180.0, None, 4.0),
-        BenchResult("fsdp-dmuon", 2, 20.0, 110.0, 1234, 4.0),
+        BenchResult("fsdp-adamw", 2, 10.0, 100.0, None, 2**20, 5.0),
+        BenchResult("fsdp-torch-muon", 2, 80.0, 180.0, None, 2**21, 4.0),
+        BenchResult("fsdp-dmuon", 2, 20.0, 110.0, 1234, 3 * 2**19, 4.0),
     ]
     table = format_table(results)
     dmuon_row = next(line for line in table.splitlines() if line.startswith("fsdp-dmuon"))
-    assert "0.25" in dmuon_row and "1.10" in dmuon_row and "1,234" in dmuon_row
+    assert "0.25" in dmuon_row and "1.10" in dmuon_row and "1,234" in dmuon_row and "1.50" in dmuon_row
     assert "0.12 of vanilla Muon's" in table  # (110 - 100) / (180 - 100)
 
 
@@ -27,4 +27,19 @@ def test_tiny_run_writes_json(tmp_path):
     records = json.loads(out.read_text())
     assert [r["config"] for r in records] == ["fsdp-adamw", "fsdp-dmuon"]
     assert records[1]["bytes_per_step"] > 0 and records[0]["bytes_per_step"] is None
-    assert all(r["world_size"] == 2 and r["step_ms"] > 0 for r in records)
+    assert all(r["world_size"] == 2 and r["step_ms"] > 0 and r["peak_mem_bytes"] > 0 for r in records)
+    assert set(records[0]) == {"config", "world_size", "opt_step_ms", "step_ms", "bytes_per_step",
+                               "peak_mem_bytes", "final_loss"}
+
+
+def test_throughput_tables_run_on_cpu():
+    import torch
+
+    from dmuon.throughput import ns_throughput, rank_share
+
+    cpu = torch.device("cpu")
+    rows = ns_throughput(cpu, [(16, 64)], batch=2, peak=1e9, repeats=1)
+    assert [(r.method, r.dtype) for r in rows] == [("standard", "bfloat16"), ("gram", "float32")]
+    assert all(r.ms > 0 and r.tflops > 0 and r.fraction_of_peak > 0 for r in rows)
+    share = rank_share("tiny", 4, cpu, peak=1e9, repeats=1)
+    assert share.matrices == 4 and share.ms > 0 and share.lower_bound_ms > 0  # 14 matrices over 4 ranks
