@@ -402,9 +402,8 @@ class Muon(torch.optim.Optimizer):
                 if key not in ("params", "initial_lr", "param_names"):
                     fingerprint[f"param group {g} {key}"] = repr(value)
             if group["algorithm"] == "muon":
-                fingerprint[f"param group {g} parameters"] = repr(
-                    list(zip(group.get("param_names", []), [tuple(p.shape) for p in group["params"]]))
-                )
+                fingerprint[f"param group {g} names"] = repr(group.get("param_names"))
+                fingerprint[f"param group {g} shapes"] = repr([tuple(p.shape) for p in group["params"]])
         everyone = gather_objects(fingerprint, self._process_group or dist.group.WORLD)
         first = everyone[0]
         for rank, theirs in enumerate(everyone[1:], start=1):  # the same verdict on every rank
