@@ -8,7 +8,7 @@ sequence of collectives identical.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,35 +33,27 @@ class PendingExchange:
 
     output: Tensor
     recv_splits: list[int]
-    work: dist.Work | None = None
-    _done: bool = field(default=False, repr=False)
+    work: dist.Work
 
     def wait(self) -> list[Tensor]:
-        if self.work is not None and not self._done:
-            self.work.wait()
-            self._done = True
+        self.work.wait()
         return list(self.output.split(self.recv_splits))
 
 
 def start_all_to_all(
     pieces_by_dest: list[list[Tensor]],
     recv_splits: list[int],
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup,
     my_position: int,
     dtype: torch.dtype,
     counter: CommCounter,
 ) -> PendingExchange:
     """Send ``pieces_by_dest[q]`` (flat tensors, concatenated) to position q of ``group`` and
-    receive ``recv_splits[q]`` elements from each q, asynchronously.
-
-    The piece to oneself is copied locally, never sent; with no group (a single rank) nothing
-    is communicated at all.
-    """
+    receive ``recv_splits[q]`` elements from each q, asynchronously. Bytes a rank addresses to
+    itself are not counted as sent."""
     send_splits = [sum(t.numel() for t in pieces) for pieces in pieces_by_dest]
     flat = [t.reshape(-1).to(dtype) for pieces in pieces_by_dest for t in pieces]
     send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
-    if group is None:
-        return PendingExchange(send, recv_splits)
     output = torch.empty(sum(recv_splits), dtype=dtype, device=send.device)
     counter.bytes_sent += (sum(send_splits) - send_splits[my_position]) * send.element_size()
     counter.collectives += 1
@@ -81,10 +73,8 @@ def all_reduce_max(values: Tensor, group: dist.ProcessGroup | None, counter: Com
     return values
 
 
-def gather_objects(obj: object, group: dist.ProcessGroup | None) -> list[object]:
+def gather_objects(obj: object, group: dist.ProcessGroup) -> list[object]:
     """Every rank's ``obj`` (used once, at construction, to compare configurations)."""
-    if group is None:
-        return [obj]
     out: list[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
