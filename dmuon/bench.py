@@ -10,6 +10,10 @@ Every configuration trains the same model from the same weights on the same batc
     ddp-dmuon        DDP + dmuon.Muon
     fsdp-dmuon       FSDP2 + dmuon.Muon
 
+With ``--peers``, every other distributed Muon implementation that is installed (``pip install
+'dmuon[peers]'``; see :mod:`dmuon.peers`) joins as ``<ddp|fsdp>-<package>`` for the modes it
+supports; the ones that are not installed are listed with the reason.
+
 Each configuration runs in freshly spawned ranks, so that its peak memory is its own: "peak
 mem" is the largest rise of a rank's resident memory (CPU; sampled every 2 ms) or of its
 allocated device memory (CUDA) over what the rank held before building the model. Times are
@@ -101,13 +105,31 @@ def _wrap(model: Llama, parallel: str, world: int, device: torch.device):
     return fully_shard(model, mesh=mesh)
 
 
+def _factory(optimizer: str):
+    if optimizer in OPTIMIZERS:
+        return OPTIMIZERS[optimizer]
+    from dmuon.peers import PEERS
+
+    return PEERS[optimizer].factory
+
+
+def peer_configs() -> tuple[list[str], dict[str, str]]:
+    """Bench configurations of the installed peers, and why the others are missing."""
+    from dmuon.peers import PEERS, available_peers, unavailable_peers
+
+    available = available_peers()
+    configs = [f"{mode}-{name}" for mode in ("ddp", "fsdp") for name in PEERS
+               if name in available and mode in PEERS[name].parallel]
+    return configs, unavailable_peers()
+
+
 def _train(name: str, args: argparse.Namespace, rank: int, world: int, device: torch.device) -> BenchResult:
     parallel, optimizer = name.split("-", 1)
     config = get_config(args.preset, **({"n_layers": args.layers} if args.layers else {}))
     memory = PeakMemory(device)
     model = Llama(config, seed=args.seed).to(device)
     wrapped = _wrap(model, parallel, world, device)
-    optimizers = OPTIMIZERS[optimizer](model, args.lr, args.weight_decay)
+    optimizers = _factory(optimizer)(model, args.lr, args.weight_decay)
     data = SyntheticTokens(config.vocab_size, seed=args.seed)
     opt_times, step_times, losses, sent = [], [], [], []
     for step in range(args.warmup + args.steps):
@@ -183,7 +205,7 @@ def run_config(name: str, args: argparse.Namespace) -> BenchResult:
 def format_table(results: list[BenchResult]) -> str:
     """One row per configuration, with ratios against AdamW and vanilla Muon of the same parallelism."""
     by_name = {r.config: r for r in results}
-    header = (f"{'config':<16} {'opt step ms':>11} {'step ms':>9} {'bytes/step':>12} {'peak mem MB':>11} "
+    header = (f"{'config':<20} {'opt step ms':>11} {'step ms':>9} {'bytes/step':>12} {'peak mem MB':>11} "
               f"{'loss':>7} {'opt/vanilla':>11} {'step/adamw':>10} {'mem/adamw':>9}")
     lines = [header]
     for r in results:
@@ -193,7 +215,7 @@ def format_table(results: list[BenchResult]) -> str:
         step_ratio = f"{r.step_ms / adamw.step_ms:.2f}" if adamw else "-"
         mem_ratio = f"{r.peak_mem_bytes / adamw.peak_mem_bytes:.2f}" if adamw and adamw.peak_mem_bytes else "-"
         sent = f"{r.bytes_per_step:,.0f}" if r.bytes_per_step is not None else "-"
-        lines.append(f"{r.config:<16} {r.opt_step_ms:>11.1f} {r.step_ms:>9.1f} {sent:>12} "
+        lines.append(f"{r.config:<20} {r.opt_step_ms:>11.1f} {r.step_ms:>9.1f} {sent:>12} "
                      f"{r.peak_mem_bytes / 2**20:>11.1f} {r.final_loss:>7.3f} {opt_ratio:>11} "
                      f"{step_ratio:>10} {mem_ratio:>9}")
     for parallel in ("ddp", "fsdp"):
@@ -244,6 +266,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS),
                         help=f"comma-separated subset of {','.join(CONFIGS)}")
+    parser.add_argument("--peers", action="store_true",
+                        help="add every installed peer implementation (pip install 'dmuon[peers]')")
     parser.add_argument("--json", metavar="PATH", help="write one record per configuration")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of the results (needs matplotlib)")
 
@@ -252,6 +276,11 @@ def run(args: argparse.Namespace) -> int:
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; choose from {CONFIGS}")
+    if args.peers:
+        peers, missing = peer_configs()
+        args.configs = [*args.configs, *peers]
+        for package, reason in missing.items():
+            print(f"peer {package} skipped: {reason}", file=sys.stderr)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit(f"need --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     if args.device == "cuda" and args.world_size > torch.cuda.device_count():
