@@ -13,8 +13,9 @@ and sends, converted at ``flops_per_byte``. Ties break on the unit's name, never
 parameters were passed in. Units of the same shape thus spread round-robin; those that land on
 one owner in one bucket are stacked into one batched call at run time. No matrix is padded.
 
-Buckets cut the LPT order into pieces of about ``bucket_bytes`` of NS input, so that the exchange
-of bucket k+1 overlaps the orthogonalization of bucket k and transient memory stays bounded.
+Buckets cut the LPT order into pieces of about ``bucket_bytes`` of NS input per owner, so that
+the exchange of bucket k+1 overlaps the orthogonalization of bucket k, every rank computes in
+every bucket, and transient memory per rank stays bounded.
 """
 
 from __future__ import annotations
@@ -198,15 +199,20 @@ def make_plan(
         load, owner = heapq.heappop(least_loaded)
         owners[i] = owner
         heapq.heappush(least_loaded, (load + costs[i], owner))
+    # Buckets hold about ``bucket_bytes`` of NS input *per owner*: a bucket closes only when an
+    # owner that already has work in it would go over, so every bucket gives every rank work
+    # (one LPT round at least) and NS runs on all ranks at once, even when one matrix alone is
+    # larger than the budget.
     buckets: list[tuple[int, ...]] = []
     current: list[int] = []
-    current_bytes = 0
+    per_owner: dict[int, int] = {}
     for i in order:
-        current.append(i)
-        current_bytes += units[i].total_bytes
-        if current_bytes >= bucket_bytes:
+        owner, unit_bytes = owners[i], units[i].total_bytes
+        if per_owner.get(owner, 0) and per_owner[owner] + unit_bytes > bucket_bytes:
             buckets.append(tuple(current))
-            current, current_bytes = [], 0
+            current, per_owner = [], {}
+        current.append(i)
+        per_owner[owner] = per_owner.get(owner, 0) + unit_bytes
     if current:
         buckets.append(tuple(current))
     return Plan(tuple(units), tuple(owners), tuple(buckets), size, replicas)

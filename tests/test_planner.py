@@ -139,3 +139,18 @@ def test_bad_group_shape_raises():
         make_plan([], 4, 3)
     with pytest.raises(ValueError, match="bucket_bytes"):
         make_plan([], 4, bucket_bytes=0)
+
+
+def test_buckets_keep_every_rank_busy_even_for_huge_matrices():
+    """70B matrices are far larger than a bucket, yet the first bucket gives every rank a matrix
+    (NS runs on all ranks at once), and a bucket only closes when an owner already in it would
+    go over its per-owner budget."""
+    budget = 8 * 2**20
+    for units, world in [(llama_units("llama-3.1-70b", 8, layers=2), 8), (llama_units("bench", 2), 2)]:
+        plan = make_plan(units, world, bucket_bytes=budget)
+        assert {plan.owners[u] for u in plan.buckets[0]} == set(range(world))
+        for bucket, following in zip(plan.buckets, plan.buckets[1:]):
+            first = following[0]
+            owned_before = [u for u in bucket if plan.owners[u] == plan.owners[first]]
+            assert owned_before, "a bucket closed although the next owner had no work in it"
+            assert sum(plan.units[u].total_bytes for u in owned_before) + plan.units[first].total_bytes > budget
