@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from dmuon import bench, demo
+from dmuon import bench, demo, plan_cli
 
 SUBCOMMANDS = {
     "demo": (demo, "compare AdamW, torch.optim.Muon and dmuon.Muon on a small model (CPU)"),
     "bench": (bench, "DDP and FSDP2 x AdamW, vanilla Muon and dmuon.Muon on gloo ranks it spawns"),
+    "plan": (plan_cli, "dmuon's plan and predicted step time at N ranks"),
 }
 
 

@@ -112,9 +112,8 @@ def test_peer_steps_like_torch_muon(name, parallel):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,parallel", PEER_MODES)
-def test_peer_steps_like_torch_muon_compiled(name, parallel, request):
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("compiling a peer's kernels on CPU takes minutes: run with -m slow")
+def test_peer_steps_like_torch_muon_compiled(name, parallel):
+    """Compiling a peer's kernels on CPU takes minutes: deselected by default (``-m slow``)."""
     require(name)
     results = run_on_ranks(2, peer_against_torch_muon, name, parallel, STEPS, True,
                            timeout_s=1800, collective_timeout_s=1200)

@@ -1,0 +1,357 @@
+"""FLOPs, bytes and seconds of each phase of a data-parallel training step. Pure: no processes,
+no measurements (those live in :mod:`dmuon.hardware`); the schedule is :mod:`dmuon.simulate`.
+
+A step is: forward+backward (with the data-parallel collectives of FSDP2 or DDP), then the
+optimizer. The optimizer phases are priced with the *real* dmuon plan — the same
+:func:`dmuon.planner.make_plan` on the same units, with the Newton–Schulz method and dtype that
+:func:`dmuon.orthogonalization.resolve_config` picks on the profile's device (CUDA: fp16, Gram NS
+from aspect ratio 2; CPU: bf16 standard NS) — so FLOPs and bytes per rank are the plan's own.
+
+Assumptions, each stated where it is used:
+
+* Forward+backward FLOPs: ``6·P·T + 12·L·(heads·head_dim)·S·T`` for T tokens of sequences of
+  length S, P the parameters that take part in products (hidden matrices and the output head;
+  the embedding lookup is free). The attention term counts the full S×S score matrix (PaLM's
+  convention: causal kernels do about half). Time = FLOPs / (listed rate · MFU).
+* FSDP2 all-gathers every parameter in forward and again in backward (``reshard_after_forward``)
+  and reduce-scatters the gradients; DDP all-reduces the gradients (2(N−1)/N·P·4 bytes, the ring
+  cost). Ring collectives cross nodes at the inter-node bandwidth once N exceeds a node.
+* Element-wise phases are memory-bound: bytes per element counted from the kernels that
+  dmuon/optimizer.py, dmuon/engine.py, torch's AdamW and the FSDP2/DDP wrappers run (constants
+  below). Forward+backward wall time = products + wrapper copies, with the data-parallel
+  collectives hidden behind them where the hardware overlaps communication (GPUs) and added
+  where it does not (CPU).
+* Ring collectives reach the link bandwidth times the profile's efficiency for their kind
+  (NCCL: 1; gloo: measured), plus one latency per call.
+* Owner-sharded data parallel (DESIGN.md layer 7, *modelled, not implemented*): each Muon matrix
+  lives whole on its owner (the plan's owner, balanced on FLOPs alone); forward broadcasts it and
+  backward reduces its gradient to the owner, 2(N−1)/N·P_muon bytes per rank; the other
+  parameters stay under FSDP2; the optimizer communicates nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from dmuon.hardware import RING_BYTES, HardwareProfile
+from dmuon.layout import Layout
+from dmuon.models import PRESETS, LlamaConfig, get_config, param_count
+from dmuon.orthogonalization import NSConfig, newton_schulz_flops, resolve_config
+from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, make_plan
+
+MODES = ("fsdp2", "ddp", "owner")
+IMPLEMENTED = {"fsdp2": "implemented", "ddp": "implemented", "owner": "modelled, not implemented"}
+DEFAULT_TOKENS_PER_RANK = 8192
+DEFAULT_SEQ_LEN = 4096
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
+
+# Bytes per element of each element-wise phase (reads + writes; fp32 parameters, gradients and
+# momentum), counted from the code that runs:
+CHECK_BYTES = 6  # torch.isfinite(grad) (read 4, write a bool), .all() (read it): every local grad
+MOMENTUM_BYTES = 12  # buf.lerp_(grad): every local Muon element
+NESTEROV_BYTES = 12  # grad.lerp(buf): the NS input, where and when the exchange needs it
+APPLY_BYTES = 20  # p.mul_(1 − lr·wd) and p.add_(update): every local Muon element
+FSDP_COPY_BYTES = 24  # per FSDP2 parameter: copy-out after both all-gathers, copy-in before the reduce-scatter
+DDP_COPY_BYTES = 16  # per DDP parameter: gradient into its bucket and back
+# AdamW per parameter: fused/foreach kernels read p, g, m, v and write p, m, v (REFERENCE.md §5);
+# on CPU torch runs its single-tensor loop (8 kernels, temporaries for sqrt and division).
+ADAMW_BYTES = {"cuda": 28, "cpu": 80}
+# torch.optim.Muon's recipe (REFERENCE.md §2): what "vanilla" Muon runs on every rank.
+VANILLA_NS_DTYPE = torch.bfloat16
+
+
+def pack_bytes(itemsize: int) -> int:
+    """Per element sent: the engine concatenates the pieces of a collective (read + write)."""
+    return 2 * itemsize
+
+
+def normalize_bytes(compute_dtype: torch.dtype) -> int:
+    """Per element orthogonalized: fp32 normalization (norm: read; divide: read + write), cast
+    to the compute dtype and back to fp32."""
+    c = torch.empty(0, dtype=compute_dtype).element_size()
+    return 12 + (4 + c) + (c + 4)
+
+
+def ns_prep_bytes(itemsize: int, compute_dtype: torch.dtype) -> int:
+    """Per element of a matrix its owner orthogonalizes: assembling its rows and stacking
+    same-shape matrices (two copies), then :func:`normalize_bytes`."""
+    return 4 * itemsize + normalize_bytes(compute_dtype)
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def config_from_hf(raw: Mapping[str, object]) -> LlamaConfig:
+    """A :class:`LlamaConfig` from a Hugging Face ``config.json`` of a Llama-style decoder.
+
+    Required keys: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+    vocab_size. Optional: num_key_value_heads (default: the attention heads), head_dim (default
+    hidden_size / heads), tie_word_embeddings (False), max_position_embeddings (4096),
+    rms_norm_eps, rope_theta.
+    """
+    required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [key for key in required if key not in raw]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}; a Llama-style config needs {list(required)}")
+    heads = int(raw["num_attention_heads"])
+    return LlamaConfig(
+        vocab_size=int(raw["vocab_size"]),
+        dim=int(raw["hidden_size"]),
+        ffn_dim=int(raw["intermediate_size"]),
+        n_layers=int(raw["num_hidden_layers"]),
+        n_heads=heads,
+        n_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+        max_seq_len=int(raw.get("max_position_embeddings") or DEFAULT_SEQ_LEN),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+    )
+
+
+def load_model_config(spec: str, layers: int | None = None) -> LlamaConfig:
+    """A preset name (:data:`dmuon.models.PRESETS`) or a path to a ``config.json``; ``layers``
+    overrides the depth."""
+    overrides = {"n_layers": layers} if layers else {}
+    if spec in PRESETS:
+        return get_config(spec, **overrides)
+    if not os.path.isfile(spec):
+        raise ValueError(f"{spec!r} is neither a model preset ({', '.join(PRESETS)}) nor a config.json file")
+    with open(spec) as f:
+        return dataclasses.replace(config_from_hf(json.load(f)), **overrides)
+
+
+def hidden_matrices(config: LlamaConfig) -> list[tuple[str, int, int]]:
+    """(name, rows, columns) of every Muon matrix: the q/k/v/o and gate/up/down weights of each
+    block (``nn.Linear`` weights are out×in). Embeddings, head and norms go to AdamW."""
+    q, kv, d, f = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.dim, config.ffn_dim
+    shapes = {"attn.q_proj": (q, d), "attn.k_proj": (kv, d), "attn.v_proj": (kv, d), "attn.o_proj": (d, q),
+              "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
+    return [(f"layers.{i}.{name}.weight", m, n) for i in range(config.n_layers) for name, (m, n) in shapes.items()]
+
+
+def muon_params(config: LlamaConfig) -> int:
+    return sum(m * n for _, m, n in hidden_matrices(config))
+
+
+def forward_backward_flops(config: LlamaConfig, tokens: int, seq_len: int) -> float:
+    """``6·P·T + 12·L·(heads·head_dim)·S·T`` (module docstring), P = hidden matrices + head."""
+    in_products = muon_params(config) + config.vocab_size * config.dim
+    attention = 12 * config.n_layers * config.n_heads * config.head_dim * seq_len
+    return float(tokens) * (6 * in_products + attention)
+
+
+def measured_mfu(config: LlamaConfig, tokens: int, seq_len: int, seconds: float, profile: HardwareProfile) -> float:
+    """The MFU a measured forward+backward of ``tokens`` tokens in ``seconds`` corresponds to."""
+    return forward_backward_flops(config, tokens, seq_len) / seconds / profile.matmul_flops(profile.train_dtype)
+
+
+# ---------------------------------------------------------------------------- the workload
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step of ``config`` on ``world_size`` data-parallel ranks of ``profile``."""
+
+    config: LlamaConfig
+    world_size: int
+    mode: str
+    profile: HardwareProfile
+    tokens_per_rank: int = DEFAULT_TOKENS_PER_RANK
+    seq_len: int = DEFAULT_SEQ_LEN
+    mfu: float | None = None  # None: the profile's
+    wire_itemsize: int = 4  # dmuon's default comm dtype: the (fp32) gradient's
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"Invalid mode={self.mode!r}. Must be one of {MODES}.")
+        if self.world_size < 1 or self.tokens_per_rank < 1 or self.seq_len < 1:
+            raise ValueError(f"Invalid workload: world_size={self.world_size}, tokens_per_rank="
+                             f"{self.tokens_per_rank}, seq_len={self.seq_len}; all must be >= 1.")
+        if self.model_flops_utilization is None or not 0 < self.model_flops_utilization <= 1:
+            raise ValueError(f"Invalid MFU {self.model_flops_utilization!r} for {self.profile.name}: "
+                             "give one in (0, 1] (the CPU profile has none; measure it).")
+
+    @property
+    def model_flops_utilization(self) -> float | None:
+        return self.mfu if self.mfu is not None else self.profile.mfu
+
+    @property
+    def share(self) -> float:
+        """Fraction of a rank's measured compute, memory and (CPU) loopback rates it gets with its
+        node's other ranks running (:meth:`HardwareProfile.share`)."""
+        return self.profile.share(self.profile.ranks_on_node(self.world_size))
+
+    @property
+    def multi_node(self) -> bool:
+        return self.profile.ranks_per_node is not None and self.world_size > self.profile.ranks_per_node
+
+    def layout(self, shape: tuple[int, int]) -> Layout:
+        """How the mode stores a Muon matrix: DDP replicates it, FSDP2 (and, for the plan's
+        owners, owner mode) shards its rows over all ranks."""
+        ranks = tuple(range(self.world_size))
+        if self.mode == "ddp":
+            return Layout(shape, self.world_size, 1, ranks)
+        return Layout(shape, 1, self.world_size, ranks)
+
+
+def ns_config(m: int, n: int, device_type: str) -> NSConfig:
+    """What ``dmuon.Muon`` with default options resolves for an m×n matrix on ``device_type``."""
+    return resolve_config((m, n), device_type)
+
+
+def build_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...]]:
+    """dmuon's plan for the workload's Muon matrices, and the NS recipe of each unit.
+
+    Owner mode balances FLOPs alone (``flops_per_byte=0``): its optimizer moves no bytes.
+    """
+    units, configs = [], []
+    for name, m, n in hidden_matrices(workload.config):
+        config = ns_config(m, n, workload.profile.device_type)
+        flops = newton_schulz_flops(m, n, steps=config.steps, method=config.method, restarts=config.restarts)
+        units.append(Unit(name, workload.layout((m, n)), 1, m, n, workload.wire_itemsize, flops))
+        configs.append(config)
+    flops_per_byte = 0.0 if workload.mode == "owner" else DEFAULT_FLOPS_PER_BYTE
+    plan = make_plan(units, workload.world_size, units[0].layout.replicas,
+                     bucket_bytes=workload.bucket_bytes, flops_per_byte=flops_per_byte)
+    return plan, tuple(configs)
+
+
+# ---------------------------------------------------------------------------- phase costs
+
+
+def compute_seconds(flops: float, dtype: torch.dtype, workload: Workload, efficiency: float = 1.0) -> float:
+    """Matrix products of ``flops`` in ``dtype`` on one rank."""
+    rate = workload.profile.matmul_flops(dtype) * efficiency * workload.share
+    return flops / rate
+
+
+def ns_seconds(flops: float, config: NSConfig, workload: Workload) -> float:
+    """Newton–Schulz products at the profile's matmul efficiency."""
+    return compute_seconds(flops, config.dtype, workload, workload.profile.matmul_efficiency)
+
+
+def memory_seconds(nbytes: float, workload: Workload) -> float:
+    """An element-wise (memory-bound) phase moving ``nbytes`` on one rank."""
+    return nbytes / (workload.profile.memory_bandwidth * workload.share)
+
+
+def link(workload: Workload) -> tuple[float, float]:
+    """(bandwidth, latency) of a ring collective over all ranks: inter-node once they span nodes."""
+    p = workload.profile
+    if workload.multi_node:
+        return p.inter_bandwidth * workload.share, p.inter_latency
+    return p.intra_bandwidth * workload.share, p.intra_latency
+
+
+def forward_backward_seconds(workload: Workload) -> float:
+    """Forward+backward products of one rank's tokens at the workload's MFU."""
+    flops = forward_backward_flops(workload.config, workload.tokens_per_rank, workload.seq_len)
+    return compute_seconds(flops, workload.profile.train_dtype, workload, workload.model_flops_utilization)
+
+
+def data_parallel_collectives(workload: Workload, mode: str | None = None) -> list[tuple[str, float, int]]:
+    """(kind, bytes per rank, calls) of the forward+backward's own collectives in ``mode``
+    (default: the workload's); kinds and their ring bytes as in :data:`dmuon.hardware.RING_BYTES`.
+
+    FSDP2: all-gathers of the parameters in the training dtype (forward, and again in backward)
+    and a reduce-scatter of fp32 gradients (torchtitan's default mixed precision), one of each
+    per block plus the root's; DDP: an fp32 all-reduce in 25 MiB buckets; owner mode: each Muon
+    matrix broadcast from its owner in the training dtype and its gradient reduced to the owner
+    in fp32 (priced as a ring all-gather and reduce-scatter: (N−1)/N·P bytes each), the rest
+    as FSDP2.
+    """
+    mode = mode or workload.mode
+    n, config = workload.world_size, workload.config
+    if n == 1:
+        return []
+    total = param_count(config)
+    train = torch.empty(0, dtype=workload.profile.train_dtype).element_size()
+    if mode == "ddp":
+        full = [("all_reduce", total * 4, -(-total * 4 // DDP_BUCKET_BYTES))]
+    else:
+        sharded = total if mode == "fsdp2" else total - muon_params(config)
+        groups = config.n_layers + 1
+        full = [("all_gather", 2 * sharded * train, 2 * groups), ("reduce_scatter", sharded * 4, groups)]
+        if mode == "owner":
+            matrices = len(hidden_matrices(config))
+            full += [("all_gather", muon_params(config) * train, matrices),
+                     ("reduce_scatter", muon_params(config) * 4, matrices)]
+    return [(kind, RING_BYTES[kind](n) * nbytes, calls) for kind, nbytes, calls in full]
+
+
+def data_parallel_seconds(workload: Workload, mode: str | None = None) -> float:
+    """Time of :func:`data_parallel_collectives` over the ring's link, one latency per call."""
+    bandwidth, latency = link(workload)
+    return sum(nbytes / (bandwidth * workload.profile.ring_efficiency(kind)) + calls * latency
+               for kind, nbytes, calls in data_parallel_collectives(workload, mode))
+
+
+def data_parallel_copy_seconds(workload: Workload, mode: str | None = None) -> float:
+    """Element-wise copies the data-parallel wrapper adds to forward+backward: FSDP2 copies
+    all-gathered parameters out (forward and backward) and gradients into the reduce-scatter
+    buffer (24 bytes per parameter it manages); DDP copies gradients into and out of its
+    buckets (16 bytes per parameter)."""
+    mode = mode or workload.mode
+    if workload.world_size == 1:
+        return 0.0
+    total = param_count(workload.config)
+    if mode == "ddp":
+        return memory_seconds(DDP_COPY_BYTES * total, workload)
+    sharded = total if mode == "fsdp2" else total - muon_params(workload.config)
+    return memory_seconds(FSDP_COPY_BYTES * sharded, workload)
+
+
+def exposed_step_seconds(compute: float, communication: float, workload: Workload) -> float:
+    """Forward+backward wall time: communication hides behind compute where the hardware
+    overlaps them (GPUs), and adds to it where it does not (CPU, gloo)."""
+    return max(compute, communication) if workload.profile.comm_overlaps_compute else compute + communication
+
+
+def local_params(total: int, workload: Workload, mode: str) -> float:
+    """Elements of ``total`` (sharded unless DDP) one rank holds."""
+    return total if mode == "ddp" else total / workload.world_size
+
+
+def adamw_params(config: LlamaConfig) -> int:
+    """Parameters dmuon gives to AdamW: embeddings, output head, norms."""
+    return param_count(config) - muon_params(config)
+
+
+def adamw_seconds(params: float, workload: Workload) -> float:
+    return memory_seconds(ADAMW_BYTES[workload.profile.device_type] * params, workload)
+
+
+def adamw_step_seconds(workload: Workload, mode: str) -> float:
+    """``torch.optim.AdamW`` on every local parameter, memory-bound."""
+    return adamw_seconds(local_params(param_count(workload.config), workload, mode), workload)
+
+
+def vanilla_muon_step_seconds(workload: Workload, mode: str) -> float:
+    """Vanilla distributed Muon (``torch.optim.Muon`` on every rank): each rank orthogonalizes
+    every matrix with standard NS in bf16; under FSDP2 it first all-gathers each matrix (one
+    bf16 all-gather per matrix: the least DTensor can move), one matrix after the other.
+    Momentum, NS input and apply on the local rows (DDP: whole matrices); AdamW on the rest."""
+    matrices = hidden_matrices(workload.config)
+    ns = 0.0
+    for _, m, n in matrices:
+        config = resolve_config((m, n), workload.profile.device_type, method="standard", dtype=VANILLA_NS_DTYPE)
+        flops = newton_schulz_flops(m, n, steps=config.steps, method="standard")
+        ns += ns_seconds(flops, config, workload) + memory_seconds(m * n * normalize_bytes(config.dtype), workload)
+    local_muon = local_params(muon_params(workload.config), workload, mode)
+    elementwise = memory_seconds(local_muon * (CHECK_BYTES + MOMENTUM_BYTES + NESTEROV_BYTES + APPLY_BYTES), workload)
+    gather = 0.0
+    if mode != "ddp" and workload.world_size > 1:
+        bandwidth, latency = link(workload)
+        ring = (workload.world_size - 1) / workload.world_size
+        bandwidth *= workload.profile.ring_efficiency("all_gather")
+        gather = sum(ring * m * n * 2 / bandwidth + latency for _, m, n in matrices)
+    adamw = adamw_seconds(local_params(adamw_params(workload.config), workload, mode), workload)
+    return ns + elementwise + gather + adamw

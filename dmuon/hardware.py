@@ -1,0 +1,419 @@
+"""Hardware profiles for the cost model: what one rank can compute, copy and send per second.
+
+GPU profiles are datasheet figures (REFERENCE.md §5) except where a measurement exists; the
+``"cpu"`` profile is measured on the spot, on this machine, by :func:`measure_cpu_profile`.
+
+What a profile claims, and what it leaves out:
+
+* ``*_flops``: dense matrix-product FLOP/s of one rank per compute dtype. ``matmul_efficiency``
+  is the share of it Newton–Schulz products reach (large GEMMs; no small-matrix roll-off).
+* ``memory_bandwidth``: bytes/s of one rank's element-wise kernels (read + write).
+* Links, per rank and per direction: ``intra_*`` between ranks of one node, ``inter_*`` between
+  nodes of ``ranks_per_node`` ranks. A collective costs one latency plus its busiest rank's
+  bytes over the link (:mod:`dmuon.simulate`).
+* ``cores`` (CPU only): the ranks of a node time-share its cores with each other and with
+  ``busy_cores`` worth of other jobs, so each rank thread gets ``(cores − busy)/(ranks·threads)``
+  of a core (at most one), at ``parallel_efficiency`` of its alone-speed once several run at
+  once (shared caches, memory, clocks). This scales compute, memory and loopback rates alike:
+  gloo's loopback copies run on the same cores.
+* ``collective_efficiency``: the share of the link bandwidth a ring all-gather, reduce-scatter
+  or all-reduce reaches per ring byte (NCCL: assumed 1; gloo: measured).
+* ``comm_overlaps_compute``: GPUs move data with copy engines and NCCL kernels beside the
+  compute kernels; on a CPU gloo's loopback copies run on the very cores that compute, so
+  communication and computation add up instead of overlapping.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from dmuon.models import Llama, LlamaConfig, SyntheticTokens
+
+GB = 1e9
+TERA = 1e12
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One rank's compute, memory and link figures (SI units: FLOP/s, bytes/s, seconds)."""
+
+    name: str
+    device_type: str  # "cuda" or "cpu": decides the Newton–Schulz method and dtype dmuon picks
+    bf16_flops: float
+    fp16_flops: float
+    fp32_flops: float
+    memory_bandwidth: float
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+    ranks_per_node: int | None  # None: every rank on one node (the CPU profile)
+    matmul_efficiency: float = 1.0
+    mfu: float | None = None  # default forward+backward FLOPs utilization; None: measure it
+    train_dtype: torch.dtype = torch.bfloat16  # dtype of the forward/backward products
+    cores: int | None = None
+    parallel_efficiency: float = 1.0
+    busy_cores: float = 0.0  # other jobs' CPU use to expect (measured: during the profiling or a run)
+    threads: int = 1  # threads per rank the rates were measured with (CPU)
+    comm_overlaps_compute: bool = True
+    # (kind, fraction of the link bandwidth a ring collective of RING_BYTES reaches); 1 if absent
+    collective_efficiency: tuple[tuple[str, float], ...] = ()
+    source: str = ""
+
+    def matmul_flops(self, dtype: torch.dtype) -> float:
+        """Listed dense matrix-product rate for ``dtype`` (fp64 and others: the fp32 rate)."""
+        return {torch.bfloat16: self.bf16_flops, torch.float16: self.fp16_flops}.get(dtype, self.fp32_flops)
+
+    def share(self, ranks_on_node: int) -> float:
+        """Fraction of its measured compute and memory rates one rank gets when
+        ``ranks_on_node`` ranks run at once (module docstring; 1 on GPUs)."""
+        if self.cores is None:
+            return 1.0
+        threads = ranks_on_node * self.threads
+        efficiency = self.parallel_efficiency if threads > 1 else 1.0
+        return min(1.0, max(self.cores - self.busy_cores, 0.1) / threads) * efficiency
+
+    def ring_efficiency(self, kind: str) -> float:
+        """Fraction of the link bandwidth a ring ``kind`` (:data:`RING_BYTES`) reaches."""
+        return dict(self.collective_efficiency).get(kind, 1.0)
+
+    def ranks_on_node(self, world_size: int) -> int:
+        return world_size if self.ranks_per_node is None else min(world_size, self.ranks_per_node)
+
+
+# Links (REFERENCE.md §5): NVLink 4 900 GB/s per GPU both ways → 450 GB/s each way; A800's
+# NVLink 400 GB/s → 200 each way; InfiniBand NDR 400 Gb/s ≈ 50 GB/s per GPU per direction.
+# Latencies are assumptions of typical NCCL small-message collectives, not datasheet figures:
+# ≈10 µs inside a node, ≈25 µs across nodes, per collective (not per peer).
+_NVLINK_LATENCY, _IB_LATENCY = 10e-6, 25e-6
+# The one measurement of achieved against listed matmul rate we have: 790 of 989 TFLOP/s on
+# an H200 (REFERENCE.md §5). Applied to the datasheet profiles.
+_DATASHEET_EFFICIENCY = 790 / 989
+# A typical forward+backward utilization of dense LLM training on these GPUs (an assumption;
+# override it per run).
+DEFAULT_GPU_MFU = 0.4
+
+PROFILES: dict[str, HardwareProfile] = {
+    "h100": HardwareProfile(
+        "h100", "cuda", bf16_flops=989 * TERA, fp16_flops=989 * TERA, fp32_flops=67 * TERA,
+        memory_bandwidth=3.35e12, intra_bandwidth=450 * GB, intra_latency=_NVLINK_LATENCY,
+        inter_bandwidth=50 * GB, inter_latency=_IB_LATENCY, ranks_per_node=8,
+        matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU,
+        source="H100 SXM datasheet: 989 TFLOP/s bf16/fp16 dense, 67 fp32 (non-tensor), 3.35 TB/s; "
+               "NVLink 4, InfiniBand NDR",
+    ),
+    "h200": HardwareProfile(
+        "h200", "cuda", bf16_flops=790 * TERA, fp16_flops=790 * TERA, fp32_flops=67 * TERA,
+        memory_bandwidth=4.3e12, intra_bandwidth=450 * GB, intra_latency=_NVLINK_LATENCY,
+        inter_bandwidth=50 * GB, inter_latency=_IB_LATENCY, ranks_per_node=8,
+        matmul_efficiency=1.0, mfu=DEFAULT_GPU_MFU,
+        source="H200 measured: 790 TFLOP/s bf16 products (fp16 assumed equal: same tensor cores), "
+               "4.3 TB/s device copy (datasheet 989 / 4.8); fp32 67 TFLOP/s datasheet; NVLink 4, NDR",
+    ),
+    "a100": HardwareProfile(
+        "a100", "cuda", bf16_flops=312 * TERA, fp16_flops=312 * TERA, fp32_flops=19.5 * TERA,
+        memory_bandwidth=2.0e12, intra_bandwidth=300 * GB, intra_latency=_NVLINK_LATENCY,
+        inter_bandwidth=25 * GB, inter_latency=_IB_LATENCY, ranks_per_node=8,
+        matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU,
+        source="A100 SXM datasheet: 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 2.0 TB/s; NVLink 3 "
+               "600 GB/s (300 each way); InfiniBand HDR 200 Gb/s per GPU (assumed)",
+    ),
+    "a800": HardwareProfile(
+        "a800", "cuda", bf16_flops=312 * TERA, fp16_flops=312 * TERA, fp32_flops=19.5 * TERA,
+        memory_bandwidth=2.0e12, intra_bandwidth=200 * GB, intra_latency=_NVLINK_LATENCY,
+        inter_bandwidth=25 * GB, inter_latency=_IB_LATENCY, ranks_per_node=8,
+        matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU,
+        source="A800 SXM datasheet: as A100 but NVLink 400 GB/s (200 each way); "
+               "InfiniBand HDR 200 Gb/s per GPU (assumed)",
+    ),
+    "b200": HardwareProfile(
+        "b200", "cuda", bf16_flops=2250 * TERA, fp16_flops=2250 * TERA, fp32_flops=80 * TERA,
+        memory_bandwidth=8.0e12, intra_bandwidth=900 * GB, intra_latency=_NVLINK_LATENCY,
+        inter_bandwidth=50 * GB, inter_latency=_IB_LATENCY, ranks_per_node=8,
+        matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU,
+        source="B200 (HGX, 1000 W) public datasheet, not in REFERENCE.md: 2250 TFLOP/s bf16/fp16 "
+               "dense, 80 fp32, 8 TB/s HBM3e; NVLink 5 1.8 TB/s (900 each way); 400 Gb/s NIC per GPU",
+    ),
+}
+
+HARDWARE_NAMES = (*PROFILES, "cpu")
+
+
+def get_profile(name: str, threads: int = 1) -> HardwareProfile:
+    """A named profile; ``"cpu"`` is measured on this machine (once per process and thread count)."""
+    if name == "cpu":
+        return measure_cpu_profile(threads)
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown hardware {name!r}; valid names: {', '.join(HARDWARE_NAMES)}") from None
+
+
+# ---------------------------------------------------------------------------- measurement
+
+
+def _best_seconds(fn, reps: int) -> float:
+    """Fastest of ``reps`` timed calls after a warm-up: the machine's capability, as free as
+    possible of other jobs' interference (which :attr:`HardwareProfile.cores` accounts for)."""
+    fn()  # warm-up: allocations, kernel selection
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_matmul_flops(dtype: torch.dtype, m: int = 1024, k: int = 4096, reps: int = 5) -> float:
+    """FLOP/s of an (m×k)·(k×m) product on the CPU (the shape of a Newton–Schulz X·Xᵀ)."""
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, m).to(dtype)
+    return 2 * m * k * m / _best_seconds(lambda: a @ b, reps)
+
+
+def measure_memory_bandwidth(numel: int = 1 << 23, reps: int = 9) -> float:
+    """Bytes/s of an element-wise kernel (``lerp_``: reads two fp32 tensors, writes one)."""
+    x, y = torch.rand(numel), torch.rand(numel)
+    return 12 * numel / _best_seconds(lambda: y.lerp_(x, 0.1), reps)
+
+
+def measure_parallel_efficiency(cores: int, m: int = 512, k: int = 2048, reps: int = 8,
+                                trials: int = 3) -> tuple[float, float]:
+    """(efficiency, other jobs' cores): ``cores`` threads run single-threaded bf16 products at
+    once; their aggregate rate over ``cores`` times the rate of one thread alone, corrected for
+    the CPU other jobs took meanwhile (:class:`OtherJobsCpu`); the best of ``trials``, with the
+    load of the last. Torch releases the GIL in its kernels, so the threads compete only for
+    the machine.
+    """
+    a, b = torch.randn(m, k).to(torch.bfloat16), torch.randn(k, m).to(torch.bfloat16)
+
+    def products() -> None:
+        for _ in range(reps):
+            a @ b
+
+    alone = _best_seconds(products, 3)
+    best = 0.0
+    for _ in range(trials):
+        threads = [threading.Thread(target=products) for _ in range(cores)]
+        with OtherJobsCpu() as others:
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            together = time.perf_counter() - start
+        best = max(best, cores * alone / together / max(cores - others.cores_used, 0.1))
+    return min(1.0, best), others.cores_used
+
+
+class OtherJobsCpu:
+    """Cores' worth of CPU that other jobs used while the ``with`` block ran: the machine's busy
+    time (``/proc/stat``, steal included) minus ours (this process and its children, read from
+    ``/proc/<pid>/stat``), sampled every ``interval`` seconds. A measurement of the environment,
+    independent of how fast our own work went. Linux only (elsewhere: 0).
+
+    ``cores_used_in_last(s)`` covers the block's last ``s`` seconds — e.g. the measured steps at
+    the end of a benchmark run, after its ranks have started.
+    """
+
+    def __init__(self, interval: float = 0.2) -> None:
+        self.interval = interval
+        self._children: dict[int, float] = {}  # pid → CPU seconds last seen (kept after exit)
+        self._samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> OtherJobsCpu:
+        self._samples.append(self._sample())
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._samples.append(self._sample())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._samples.append(self._sample())
+
+    def _sample(self) -> tuple[float, float, float]:
+        """(time, machine busy CPU seconds, our CPU seconds)."""
+        me = os.getpid()
+        for pid, parent, cpu in _processes():
+            if parent == me:
+                self._children[pid] = cpu
+        return time.perf_counter(), _machine_busy_seconds(), time.process_time() + sum(self._children.values())
+
+    def cores_used_in_last(self, seconds: float | None = None) -> float:
+        end = self._samples[-1]
+        first = self._samples[0]
+        if seconds is not None:
+            first = next((s for s in self._samples if s[0] >= end[0] - seconds), first)
+        wall, busy, ours = (e - f for e, f in zip(end, first))
+        if wall <= 0 or busy != busy:  # no interval, or no /proc/stat
+            return 0.0
+        return max(0.0, (busy - ours) / wall)
+
+    @property
+    def cores_used(self) -> float:
+        return self.cores_used_in_last(None)
+
+
+def _processes() -> list[tuple[int, int, float]]:
+    """(pid, parent pid, CPU seconds) of every process ``/proc`` shows."""
+    if not os.path.isdir("/proc"):
+        return []
+    tick = os.sysconf("SC_CLK_TCK")
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        found.append((int(entry), int(fields[1]), (int(fields[11]) + int(fields[12])) / tick))
+    return found
+
+
+def _machine_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _machine_busy_seconds() -> float:
+    """Busy CPU seconds of the whole machine since boot (NaN where /proc/stat is missing)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+# Ring collectives, as bytes each rank moves per byte of the full tensor on N ranks (the
+# standard ring costs); what a measured collective achieves is compared with the all-to-all.
+RING_BYTES = {
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+}
+
+
+def measure_loopback_collectives(sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 << 24), reps: int = 5
+                                 ) -> tuple[float, float, dict[str, float]]:
+    """2-rank gloo collectives over loopback TCP: (all-to-all bandwidth bytes/s, latency s,
+    efficiency of each ring collective in :data:`RING_BYTES`).
+
+    The two ranks are threads of this process with their own gloo process groups (gloo runs
+    its collectives without the GIL), which saves spawning processes. In the all-to-all each
+    rank sends ``n`` bytes and receives ``n``; a least-squares line through (n, fastest time of
+    the slower rank) gives the latency (intercept) and the bandwidth (inverse slope). A ring
+    collective's efficiency is its ring bytes per second on the largest size over that
+    bandwidth (gloo's reduce-scatter, for one, is slower per byte than its all-to-all).
+    """
+    store = dist.HashStore()
+    times: dict[int, dict[tuple[str, int], float]] = {}
+    errors: list[BaseException] = []
+    largest = max(sizes)
+
+    def rank_main(rank: int) -> None:
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore("dmuon-loopback", store), rank, 2)
+            mine = {}
+            for nbytes in sizes:
+                n = nbytes // 4
+                send, recv = torch.ones(2 * n), torch.empty(2 * n)
+                mine["all_to_all", nbytes] = _best_seconds(
+                    lambda: group.alltoall_base(recv, send, [n, n], [n, n]).wait(), reps)
+            full, shard = torch.ones(largest // 4), torch.ones(largest // 8)
+            mine["all_gather", largest] = _best_seconds(lambda: group._allgather_base(full, shard).wait(), reps)
+            mine["reduce_scatter", largest] = _best_seconds(
+                lambda: group._reduce_scatter_base(shard, full).wait(), reps)
+            mine["all_reduce", largest] = _best_seconds(lambda: group.allreduce([full]).wait(), reps)
+            times[rank] = mine
+        except BaseException as err:  # surfaced in the caller's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    slower = {key: max(times[r][key] for r in times) for key in times[0]}
+    seconds = [slower["all_to_all", n] for n in sizes]
+    mean_n, mean_t = statistics.fmean(sizes), statistics.fmean(seconds)
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes, seconds)) / sum((n - mean_n) ** 2 for n in sizes)
+    bandwidth = 1 / max(slope, 1e-15)
+    latency = max(0.0, mean_t - mean_n / bandwidth)
+    efficiency = {kind: min(1.0, ring(2) * largest / slower[kind, largest] / bandwidth)
+                  for kind, ring in RING_BYTES.items()}
+    return bandwidth, latency, efficiency
+
+
+@lru_cache(maxsize=None)
+def measure_cpu_profile(threads: int = 1) -> HardwareProfile:
+    """This machine as one rank with ``threads`` torch threads sees it (a few seconds; cached).
+
+    Rates are the fastest of a few runs of one rank alone (products and ``lerp_`` in one thread
+    of this process; the loopback between two such ranks); the parallel efficiency comes from
+    :func:`measure_parallel_efficiency`; ``busy_cores`` is what other jobs used meanwhile (a
+    busy machine depresses even the fastest runs). To predict a run on a shared machine, set
+    ``busy_cores`` to what other jobs used during that run (:class:`OtherJobsCpu`).
+    """
+    machine_cores = _machine_cores()
+    previous = torch.get_num_threads()
+    try:
+        with OtherJobsCpu() as others:
+            torch.set_num_threads(1)
+            efficiency, _ = measure_parallel_efficiency(machine_cores)
+            torch.set_num_threads(threads)
+            bf16, fp32 = measure_matmul_flops(torch.bfloat16), measure_matmul_flops(torch.float32)
+            fp16 = measure_matmul_flops(torch.float16, m=256, k=1024)  # often emulated on CPUs: slow
+            memory = measure_memory_bandwidth()
+            bandwidth, latency, collective_efficiency = measure_loopback_collectives()
+    finally:
+        torch.set_num_threads(previous)
+    busy = others.cores_used
+    # the two loopback ranks shared the cores: per rank, with a core of its own
+    bandwidth /= min(1.0, machine_cores / (2 * threads)) * efficiency
+    return HardwareProfile(
+        "cpu", "cpu", bf16_flops=bf16, fp16_flops=fp16, fp32_flops=fp32, memory_bandwidth=memory,
+        intra_bandwidth=bandwidth, intra_latency=latency, inter_bandwidth=bandwidth, inter_latency=latency,
+        ranks_per_node=None, matmul_efficiency=1.0, mfu=None, train_dtype=torch.float32, cores=machine_cores,
+        parallel_efficiency=efficiency, busy_cores=busy, threads=threads, comm_overlaps_compute=False,
+        collective_efficiency=tuple(sorted(collective_efficiency.items())),
+        source=f"measured on this machine ({machine_cores} cores at {efficiency:.2f} parallel efficiency, "
+               f"{busy:.2f} busy with other jobs; {threads} thread(s) per rank; gloo loopback)",
+    )
+
+
+def measure_forward_backward_seconds(config: LlamaConfig, batch: int, seq_len: int, threads: int = 1,
+                                     reps: int = 5) -> float:
+    """Fastest seconds of one forward+backward of ``Llama(config)`` on ``batch``×``seq_len`` tokens,
+    in one process on the CPU, fp32 (what ``dmuon bench`` runs on every rank)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = Llama(config)
+        inputs, targets = SyntheticTokens(config.vocab_size).batch(0, batch, seq_len)
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            model.loss(inputs, targets).backward()
+
+        return _best_seconds(step, reps)
+    finally:
+        torch.set_num_threads(previous)

@@ -1,0 +1,119 @@
+"""``dmuon plan``: dmuon's plan for a model at N ranks, and the predicted cost of a step.
+
+    dmuon plan --model llama-3.1-8b --world-size 512 --hardware h100 --mode fsdp2
+
+prints how the Newton–Schulz work and the bytes spread over the ranks (every rank for small N,
+min/median/max beyond), then the predicted optimizer-step and step times of AdamW, vanilla
+distributed Muon and dmuon (:func:`dmuon.simulate.predict`). ``--model`` takes a preset name or
+the path of a Hugging Face ``config.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from dmuon.costmodel import (
+    DEFAULT_SEQ_LEN, DEFAULT_TOKENS_PER_RANK, MODES, Workload, build_plan, hidden_matrices, load_model_config,
+    measured_mfu, muon_params,
+)
+from dmuon.hardware import HARDWARE_NAMES, get_profile, measure_forward_backward_seconds
+from dmuon.models import LlamaConfig, param_count
+from dmuon.planner import DEFAULT_BUCKET_BYTES
+from dmuon.simulate import Prediction, predict
+
+PER_RANK_TABLE_MAX = 16  # world sizes up to this print one row per rank
+CPU_MEASURE_MAX_PARAMS = 200_000_000  # largest model whose forward+backward `--hardware cpu` times
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-3.1-8b", help="preset name or path to a config.json")
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--hardware", choices=HARDWARE_NAMES, default="h100",
+                        help="GPU datasheet profile, or cpu (measured now, on this machine)")
+    parser.add_argument("--mode", choices=MODES, default="fsdp2",
+                        help="owner: owner-sharded data parallel (modelled, not implemented)")
+    parser.add_argument("--tokens-per-step", type=int,
+                        help=f"global tokens per step (default: {DEFAULT_TOKENS_PER_RANK} per rank)")
+    parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
+    parser.add_argument("--layers", type=int, help="override the model's depth")
+    parser.add_argument("--mfu", type=float,
+                        help="forward+backward model FLOPs utilization (default: the profile's; cpu: measured)")
+    parser.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES,
+                        help="dmuon.Muon's bucket_bytes (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (cpu)")
+    parser.add_argument("--json", metavar="PATH", help="write the prediction as one JSON record")
+
+
+def cpu_mfu(config: LlamaConfig, tokens_per_rank: int, seq_len: int, threads: int) -> float:
+    """The MFU of this CPU on one rank's forward+backward of ``config``, measured now."""
+    if param_count(config) > CPU_MEASURE_MAX_PARAMS:
+        raise SystemExit(f"--hardware cpu measures the forward+backward, which is too big here "
+                         f"({param_count(config) / 1e9:.2f} B parameters): pass --mfu")
+    seq = min(seq_len, tokens_per_rank)
+    batch = max(1, tokens_per_rank // seq)
+    seconds = measure_forward_backward_seconds(config, batch, seq, threads)
+    return measured_mfu(config, batch * seq, seq, seconds, get_profile("cpu", threads))
+
+
+def balance_summary(prediction: Prediction) -> str:
+    low, mid, high = prediction.ns_gflop_per_rank
+    lo_b, mid_b, hi_b = prediction.mb_sent_per_rank
+    return "\n".join([
+        f"{'per rank':<22} {'min':>10} {'median':>10} {'max':>10}",
+        f"{'NS GFLOP':<22} {low:>10.1f} {mid:>10.1f} {high:>10.1f}",
+        f"{'optimizer MB sent':<22} {lo_b:>10.1f} {mid_b:>10.1f} {hi_b:>10.1f}",
+        f"imbalance (max/mean NS FLOPs): {prediction.imbalance:.2f}; buckets: {prediction.buckets}",
+    ])
+
+
+def predictions_table(p: Prediction) -> str:
+    base = "fsdp2" if p.mode == "owner" else p.mode
+    rows = [
+        (f"AdamW ({base})", p.adamw_opt_ms, p.adamw_step_ms),
+        (f"vanilla Muon ({base})", p.vanilla_opt_ms, p.vanilla_step_ms),
+        (f"dmuon ({p.mode})", p.dmuon_opt_ms, p.dmuon_step_ms),
+    ]
+    lines = [f"{'predicted, ms':<24} {'optimizer step':>14} {'step':>10} {'vs AdamW':>9}"]
+    for name, opt, step in rows:
+        lines.append(f"{name:<24} {opt:>14.1f} {step:>10.1f} {step / p.adamw_step_ms - 1:>+9.1%}")
+    lines += [
+        f"{'dmuon lower bound':<24} {p.lower_bound_opt_ms:>14.1f}",
+        f"forward+backward products {p.forward_backward_ms:.1f} ms at MFU {p.mfu:.2f}; "
+        f"data-parallel collectives {p.data_parallel_comm_ms:.1f} ms",
+        f"dmuon vs vanilla Muon: optimizer step {p.opt_speedup_vs_vanilla:.2f}x faster, "
+        f"step {p.step_speedup_vs_vanilla:.2f}x faster",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_model_config(args.model, args.layers)
+    tokens = args.tokens_per_step or DEFAULT_TOKENS_PER_RANK * args.world_size
+    if args.world_size < 1 or tokens < args.world_size:
+        raise SystemExit(f"need --world-size >= 1 and at least one token per rank, got {args.world_size} "
+                         f"ranks and {tokens} tokens")
+    profile = get_profile(args.hardware, args.threads)
+    mfu = args.mfu
+    if mfu is None and profile.mfu is None:
+        mfu = cpu_mfu(config, tokens // args.world_size, args.seq_len, args.threads)
+    workload = Workload(config, args.world_size, args.mode, profile, tokens // args.world_size, args.seq_len,
+                        mfu, bucket_bytes=args.bucket_bytes)
+    prediction = predict(workload, args.model)
+    print(f"dmuon plan: {args.model} ({param_count(config) / 1e9:.2f} B parameters, "
+          f"{muon_params(config) / 1e9:.2f} B in {len(hidden_matrices(config))} Muon matrices), "
+          f"{args.world_size} x {profile.name}, {args.mode} [{prediction.status}]")
+    print(f"tokens per step {tokens:,} ({workload.tokens_per_rank:,} per rank, sequences of {args.seq_len:,}); "
+          f"Newton–Schulz: {prediction.ns_recipe}")
+    print(f"hardware: {profile.source}\n")
+    if args.world_size <= PER_RANK_TABLE_MAX and args.mode != "owner":
+        print(build_plan(workload)[0].table() + "\n")
+    else:
+        print(balance_summary(prediction) + "\n")
+    print(predictions_table(prediction))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(asdict(prediction), f, indent=1)
+            f.write("\n")
+    return 0

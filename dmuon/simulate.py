@@ -1,0 +1,342 @@
+"""Simulates dmuon's optimizer step as :mod:`dmuon.engine` runs the plan, and predicts step times.
+
+Every rank has a compute timeline (a vector over ranks); collectives run one after the other on
+one communication stream, each starting once every rank has issued it (the slowest rank gates
+an all-to-all). The engine's loop, per bucket k::
+
+    compute the NS inputs of the rows this rank sends in bucket k+1, pack them; issue gather(k+1)
+    wait gather(k); assemble and orthogonalize the matrices this rank owns in k; pack; issue return(k)
+    wait return(k−1); apply its updates
+
+so gather k+1 overlaps NS k and return k overlaps NS k+1 (at most two buckets in flight). An
+all-to-all takes one latency plus the busiest rank's bytes over its links: bytes to and from
+ranks of the same node (nodes of ``ranks_per_node`` consecutive ranks) over the intra-node link,
+the others over the inter-node link, both links and both directions at once. Where the hardware
+does not overlap communication with compute (CPU), every collective stalls all ranks until it
+completes: gloo moves data on the cores the ranks compute on, so an all-to-all progresses when
+every rank's core is free for it. (Measured at 4 ranks on 2 cores, this fits ``dmuon bench``
+better than letting transfers run behind compute and only charging each rank its own bytes,
+which predicted 25–38 % too little.)
+Before the loop: the non-finite check, the momentum of every local Muon element, AdamW on the
+other parameters, and the one all-reduce that agrees on skipped steps.
+
+The simulation is deterministic, O(buckets · ranks), and is the optimizer term of
+:func:`predict`, which adds forward+backward and the baselines from :mod:`dmuon.costmodel`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dmuon.costmodel import (
+    APPLY_BYTES, CHECK_BYTES, IMPLEMENTED, MOMENTUM_BYTES, NESTEROV_BYTES, Workload, adamw_params,
+    adamw_seconds, adamw_step_seconds, build_plan, compute_seconds, data_parallel_copy_seconds,
+    data_parallel_seconds, exposed_step_seconds, forward_backward_seconds, local_params, memory_seconds,
+    ns_prep_bytes, ns_seconds, pack_bytes, vanilla_muon_step_seconds,
+)
+from dmuon.orthogonalization import NSConfig
+from dmuon.planner import Plan
+
+
+@dataclass
+class Traffic:
+    """Bytes each rank sends and receives in one all-to-all, per link (int64 vectors over ranks)."""
+
+    intra_out: Tensor
+    intra_in: Tensor
+    inter_out: Tensor
+    inter_in: Tensor
+
+    @classmethod
+    def zeros(cls, size: int) -> Traffic:
+        return cls(*(torch.zeros(size, dtype=torch.int64) for _ in range(4)))
+
+    def add(self, other: Traffic) -> None:
+        for name in ("intra_out", "intra_in", "inter_out", "inter_in"):
+            getattr(self, name).add_(getattr(other, name))
+
+    def link_seconds(self, workload: Workload) -> Tensor:
+        """Per rank: the longer of its two links' busy times (each the larger direction)."""
+        p, share = workload.profile, workload.share
+        intra = torch.maximum(self.intra_out, self.intra_in).double() / (p.intra_bandwidth * share)
+        inter = torch.maximum(self.inter_out, self.inter_in).double() / (p.inter_bandwidth * share)
+        return torch.maximum(intra, inter)
+
+    def seconds(self, workload: Workload) -> float:
+        """Duration of the all-to-all: a latency plus its busiest rank's link time."""
+        crosses = bool(self.inter_out.any() or self.inter_in.any())
+        latency = workload.profile.inter_latency if crosses else workload.profile.intra_latency
+        return latency + self.link_seconds(workload).max().item()
+
+
+@dataclass
+class BucketCost:
+    """One bucket as the simulator sees it: its two all-to-alls (None where the engine issues
+    none) and, per rank, the compute seconds before each."""
+
+    gather: Traffic | None
+    ret: Traffic | None
+    gather_prep: Tensor  # NS inputs of the rows sent, packing; before the gather is issued
+    owner: Tensor  # NS inputs of own rows, assembly, normalization, NS, packing the return
+    apply: Tensor  # applying the returned rows
+
+
+def node_of(workload: Workload) -> Tensor:
+    """Node index of every rank (ranks fill nodes in order)."""
+    ranks = torch.arange(workload.world_size)
+    per_node = workload.profile.ranks_per_node
+    return ranks // per_node if per_node is not None else torch.zeros_like(ranks)
+
+
+def chunk_vectors(plan: Plan) -> list[Tensor]:
+    """:meth:`Unit.chunk_bytes_by_position` of every unit, computed once per distinct layout."""
+    cache: dict[tuple, Tensor] = {}
+    for u in plan.units:
+        if (u.layout, u.itemsize) not in cache:
+            cache[u.layout, u.itemsize] = u.chunk_bytes_by_position()
+    return [cache[u.layout, u.itemsize] for u in plan.units]
+
+
+def _split(bytes_by_rank: Tensor, same_node: Tensor) -> tuple[Tensor, Tensor]:
+    return bytes_by_rank * same_node, bytes_by_rank * ~same_node
+
+
+def bucket_costs(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload) -> list[BucketCost]:
+    """Traffic and per-rank compute of every bucket, following the engine and the plan.
+
+    Gather: every other rank of the owner's replica sends the owner its rows. Return: the owner
+    sends every other rank its rows. In owner mode the matrices already live on their owners:
+    no collectives, and the owner does the momentum and apply of whole matrices.
+    """
+    size, node = plan.size, node_of(workload)
+    owner_mode = workload.mode == "owner"
+    chunks = chunk_vectors(plan)
+    costs = []
+    for bucket in plan.buckets:
+        gather, ret = Traffic.zeros(size), Traffic.zeros(size)
+        prep_bytes = torch.zeros(size, dtype=torch.float64)
+        owner_bytes = torch.zeros(size, dtype=torch.float64)
+        owner_ns = torch.zeros(size, dtype=torch.float64)
+        apply_bytes = torch.zeros(size, dtype=torch.float64)
+        for u in bucket:
+            unit, owner, config = plan.units[u], plan.owners[u], configs[u]
+            numel = unit.count * unit.m * unit.n
+            owner_ns[owner] += ns_seconds(unit.flops, config, workload)
+            owner_bytes[owner] += numel * ns_prep_bytes(unit.itemsize, config.dtype)
+            if owner_mode:
+                owner_bytes[owner] += numel * (CHECK_BYTES + MOMENTUM_BYTES + NESTEROV_BYTES + APPLY_BYTES)
+                continue
+            chunk = chunks[u]
+            elements = (chunk // unit.itemsize).double()
+            same = node == node[owner]
+            shards = unit.layout.shards
+            senders = torch.zeros(size, dtype=torch.bool)
+            senders[owner // shards * shards : owner // shards * shards + shards] = True
+            senders[owner] = False
+            sent_intra, sent_inter = _split(chunk * senders, same)
+            gather.intra_out += sent_intra
+            gather.inter_out += sent_inter
+            gather.intra_in[owner] += sent_intra.sum()
+            gather.inter_in[owner] += sent_inter.sum()
+            prep_bytes += elements * senders * (NESTEROV_BYTES + pack_bytes(unit.itemsize))
+            others = torch.ones(size, dtype=torch.bool)
+            others[owner] = False
+            back_intra, back_inter = _split(chunk * others, same)
+            ret.intra_in += back_intra
+            ret.inter_in += back_inter
+            ret.intra_out[owner] += back_intra.sum()
+            ret.inter_out[owner] += back_inter.sum()
+            returned = (elements * others).sum()
+            owner_bytes[owner] += elements[owner] * NESTEROV_BYTES + returned * pack_bytes(unit.itemsize)
+            apply_bytes += elements * APPLY_BYTES
+        has_gather = not owner_mode and any(plan.units[u].layout.shards > 1 for u in bucket)
+        has_return = not owner_mode and size > 1
+        costs.append(BucketCost(
+            gather if has_gather else None, ret if has_return else None,
+            memory_seconds(prep_bytes, workload),
+            owner_ns + memory_seconds(owner_bytes, workload),
+            memory_seconds(apply_bytes, workload),
+        ))
+    return costs
+
+
+def before_exchange_seconds(plan: Plan, workload: Workload) -> Tensor:
+    """Per rank, before the first bucket: non-finite check of every local gradient, momentum of
+    the local Muon elements (owner mode: done per matrix by its owner), AdamW on the rest."""
+    muon = torch.zeros(plan.size, dtype=torch.float64)
+    if workload.mode != "owner":
+        for unit, chunk in zip(plan.units, chunk_vectors(plan)):
+            muon += (chunk // unit.itemsize).double()
+    adamw_mode = "ddp" if workload.mode == "ddp" else "fsdp2"
+    others = local_params(adamw_params(workload.config), workload, adamw_mode)
+    check = memory_seconds(CHECK_BYTES * others + (CHECK_BYTES + MOMENTUM_BYTES) * muon, workload)
+    return check + adamw_seconds(others, workload)
+
+
+class _Streams:
+    """Per-rank compute clocks and one communication stream shared by the group."""
+
+    def __init__(self, start: Tensor, workload: Workload) -> None:
+        self.now = start.clone()
+        self.comm_free = 0.0
+        self.workload = workload
+
+    def issue(self, traffic: Traffic | None, latency: float = 0.0) -> float:
+        """Issue a collective (``traffic``, or a payload-free one of ``latency``) on every rank
+        now; returns when it completes. It starts once the last rank has issued it and the
+        stream is free. Where the hardware does not overlap communication with compute, the
+        ranks stall until it completes."""
+        duration = traffic.seconds(self.workload) if traffic is not None else latency
+        start = max(self.comm_free, self.now.max().item())
+        self.comm_free = start + duration
+        if not self.workload.profile.comm_overlaps_compute:
+            self.now.fill_(self.comm_free)
+        return self.comm_free
+
+    def wait(self, end: float | None) -> None:
+        if end is not None:
+            self.now.clamp_(min=end)
+
+
+def simulate_optimizer_step(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload,
+                            costs: list[BucketCost] | None = None) -> Tensor:
+    """Seconds from the start of ``optimizer.step()`` to each rank's last applied update."""
+    costs = bucket_costs(plan, configs, workload) if costs is None else costs
+    streams = _Streams(before_exchange_seconds(plan, workload), workload)
+    if workload.world_size > 1:  # the all-reduce agreeing on skipped steps (blocking)
+        profile = workload.profile
+        streams.wait(streams.issue(None, profile.inter_latency if workload.multi_node else profile.intra_latency))
+
+    def start_gather(k: int) -> float | None:
+        streams.now += costs[k].gather_prep
+        return streams.issue(costs[k].gather) if costs[k].gather is not None else None
+
+    gathers = {0: start_gather(0)} if costs else {}
+    returns: list[tuple[int, float | None]] = []
+    for k, cost in enumerate(costs):
+        if k + 1 < len(costs):
+            gathers[k + 1] = start_gather(k + 1)
+        streams.wait(gathers.pop(k))
+        streams.now += cost.owner
+        returns.append((k, streams.issue(cost.ret) if cost.ret is not None else None))
+        if len(returns) > 1:
+            done, end = returns.pop(0)
+            streams.wait(end)
+            streams.now += costs[done].apply
+    for done, end in returns:
+        streams.wait(end)
+        streams.now += costs[done].apply
+    return streams.now
+
+
+def total_traffic(costs: list[BucketCost], size: int) -> Traffic:
+    """Bytes per rank and link summed over every collective of the step."""
+    total = Traffic.zeros(size)
+    for cost in costs:
+        for traffic in (cost.gather, cost.ret):
+            if traffic is not None:
+                total.add(traffic)
+    return total
+
+
+def lower_bound_seconds(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload, traffic: Traffic) -> float:
+    """No schedule of this plan can beat it: Newton–Schulz at the listed peak rate, spread
+    perfectly (but a matrix is never split: at least the largest one), and the busiest rank's
+    bytes at full link bandwidth. The two add up where the hardware cannot overlap them."""
+    peak = [compute_seconds(u.flops, c.dtype, workload) for u, c in zip(plan.units, configs)]
+    compute = max(sum(peak) / workload.world_size, max(peak, default=0.0))
+    communication = traffic.link_seconds(workload).max().item()
+    if workload.profile.comm_overlaps_compute:
+        return max(compute, communication)
+    return compute + communication
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted times of one training step (milliseconds; overheads as fractions)."""
+
+    model: str
+    mode: str
+    status: str  # "implemented" or "modelled, not implemented"
+    hardware: str
+    world_size: int
+    tokens_per_rank: int
+    seq_len: int
+    mfu: float
+    ns_recipe: str
+    buckets: int
+    ns_gflop_total: float
+    ns_gflop_per_rank: tuple[float, float, float]  # min, median, max
+    mb_sent_per_rank: tuple[float, float, float]  # optimizer traffic: min, median, max
+    imbalance: float  # max/mean NS FLOPs
+    forward_backward_ms: float  # products alone, at the MFU
+    data_parallel_comm_ms: float  # FSDP2 / DDP / owner-mode collectives of forward+backward
+    adamw_opt_ms: float
+    adamw_step_ms: float
+    vanilla_opt_ms: float
+    vanilla_step_ms: float
+    dmuon_opt_ms: float
+    dmuon_step_ms: float
+    lower_bound_opt_ms: float
+    overhead_vs_adamw: float  # dmuon step / AdamW step − 1
+    vanilla_overhead_vs_adamw: float
+    opt_speedup_vs_vanilla: float
+    step_speedup_vs_vanilla: float
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    return min(values), statistics.median(values), max(values)
+
+
+def ns_recipe(plan: Plan, configs: tuple[NSConfig, ...]) -> str:
+    """E.g. "gram float16 x160, standard float16 x64": matrices per NS method and dtype."""
+    counts: Counter[tuple[str, str]] = Counter()
+    for unit, config in zip(plan.units, configs):
+        counts[config.method, str(config.dtype).removeprefix("torch.")] += unit.count
+    return ", ".join(f"{method} {dtype} x{n}" for (method, dtype), n in sorted(counts.items()))
+
+
+def predict(workload: Workload, model: str = "") -> Prediction:
+    """Optimizer-step and end-to-end predictions for dmuon, AdamW and vanilla distributed Muon.
+
+    The baselines run under the workload's mode, except in owner mode, whose baselines are
+    FSDP2's (the setup owner-sharding would replace).
+    """
+    plan, configs = build_plan(workload)
+    costs = bucket_costs(plan, configs, workload)
+    dmuon_opt = simulate_optimizer_step(plan, configs, workload, costs).max().item()
+    baseline_mode = "fsdp2" if workload.mode == "owner" else workload.mode
+    compute = forward_backward_seconds(workload)
+    ours_dp = data_parallel_seconds(workload)
+    ours_fb = exposed_step_seconds(compute + data_parallel_copy_seconds(workload), ours_dp, workload)
+    base_fb = exposed_step_seconds(compute + data_parallel_copy_seconds(workload, baseline_mode),
+                                   data_parallel_seconds(workload, baseline_mode), workload)
+    adamw_opt = adamw_step_seconds(workload, baseline_mode)
+    vanilla_opt = vanilla_muon_step_seconds(workload, baseline_mode)
+    size = workload.world_size
+    traffic = total_traffic(costs, size)
+    sent = ((traffic.intra_out + traffic.inter_out).double() / 2**20).tolist()
+    adamw_step, vanilla_step, dmuon_step = base_fb + adamw_opt, base_fb + vanilla_opt, ours_fb + dmuon_opt
+    ms = 1e3
+    return Prediction(
+        model=model, mode=workload.mode, status=IMPLEMENTED[workload.mode], hardware=workload.profile.name,
+        world_size=size, tokens_per_rank=workload.tokens_per_rank, seq_len=workload.seq_len,
+        mfu=workload.model_flops_utilization, ns_recipe=ns_recipe(plan, configs), buckets=len(plan.buckets),
+        ns_gflop_total=sum(u.flops for u in plan.units) / 1e9,
+        ns_gflop_per_rank=_spread([plan.flops(p) / 1e9 for p in range(size)]),
+        mb_sent_per_rank=_spread(sent), imbalance=plan.imbalance,
+        forward_backward_ms=compute * ms, data_parallel_comm_ms=ours_dp * ms,
+        adamw_opt_ms=adamw_opt * ms, adamw_step_ms=adamw_step * ms,
+        vanilla_opt_ms=vanilla_opt * ms, vanilla_step_ms=vanilla_step * ms,
+        dmuon_opt_ms=dmuon_opt * ms, dmuon_step_ms=dmuon_step * ms,
+        lower_bound_opt_ms=lower_bound_seconds(plan, configs, workload, traffic) * ms,
+        overhead_vs_adamw=dmuon_step / adamw_step - 1,
+        vanilla_overhead_vs_adamw=vanilla_step / adamw_step - 1,
+        opt_speedup_vs_vanilla=vanilla_opt / dmuon_opt,
+        step_speedup_vs_vanilla=vanilla_step / dmuon_step,
+    )
