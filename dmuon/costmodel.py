@@ -41,7 +41,7 @@ import torch
 
 from dmuon.hardware import RING_BYTES, HardwareProfile
 from dmuon.layout import Layout
-from dmuon.models import PRESETS, LlamaConfig, get_config, param_count
+from dmuon.models import PRESETS, LlamaConfig, get_config, matrix_shapes, param_count
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops, resolve_config
 from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, make_plan
 
@@ -127,17 +127,8 @@ def load_model_config(spec: str, layers: int | None = None) -> LlamaConfig:
         return dataclasses.replace(config_from_hf(json.load(f)), **overrides)
 
 
-def hidden_matrices(config: LlamaConfig) -> list[tuple[str, int, int]]:
-    """(name, rows, columns) of every Muon matrix: the q/k/v/o and gate/up/down weights of each
-    block (``nn.Linear`` weights are out×in). Embeddings, head and norms go to AdamW."""
-    q, kv, d, f = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.dim, config.ffn_dim
-    shapes = {"attn.q_proj": (q, d), "attn.k_proj": (kv, d), "attn.v_proj": (kv, d), "attn.o_proj": (d, q),
-              "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
-    return [(f"layers.{i}.{name}.weight", m, n) for i in range(config.n_layers) for name, (m, n) in shapes.items()]
-
-
 def muon_params(config: LlamaConfig) -> int:
-    return sum(m * n for _, m, n in hidden_matrices(config))
+    return sum(m * n for _, m, n in matrix_shapes(config))
 
 
 def forward_backward_flops(config: LlamaConfig, tokens: int, seq_len: int) -> float:
@@ -213,7 +204,7 @@ def build_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...]]:
     Owner mode balances FLOPs alone (``flops_per_byte=0``): its optimizer moves no bytes.
     """
     units, configs = [], []
-    for name, m, n in hidden_matrices(workload.config):
+    for name, m, n in matrix_shapes(workload.config):
         config = ns_config(m, n, workload.profile.device_type)
         flops = newton_schulz_flops(m, n, steps=config.steps, method=config.method, restarts=config.restarts)
         units.append(Unit(name, workload.layout((m, n)), 1, m, n, workload.wire_itemsize, flops))
@@ -281,7 +272,7 @@ def data_parallel_collectives(workload: Workload, mode: str | None = None) -> li
         groups = config.n_layers + 1
         full = [("all_gather", 2 * sharded * train, 2 * groups), ("reduce_scatter", sharded * 4, groups)]
         if mode == "owner":
-            matrices = len(hidden_matrices(config))
+            matrices = len(matrix_shapes(config))
             full += [("all_gather", muon_params(config) * train, matrices),
                      ("reduce_scatter", muon_params(config) * 4, matrices)]
     return [(kind, RING_BYTES[kind](n) * nbytes, calls) for kind, nbytes, calls in full]
@@ -339,7 +330,7 @@ def vanilla_muon_step_seconds(workload: Workload, mode: str) -> float:
     every matrix with standard NS in bf16; under FSDP2 it first all-gathers each matrix (one
     bf16 all-gather per matrix: the least DTensor can move), one matrix after the other.
     Momentum, NS input and apply on the local rows (DDP: whole matrices); AdamW on the rest."""
-    matrices = hidden_matrices(workload.config)
+    matrices = matrix_shapes(workload.config)
     ns = 0.0
     for _, m, n in matrices:
         config = resolve_config((m, n), workload.profile.device_type, method="standard", dtype=VANILLA_NS_DTYPE)

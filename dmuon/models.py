@@ -111,6 +111,15 @@ def get_config(name: str, **overrides: object) -> LlamaConfig:
     return dataclasses.replace(config, **overrides)
 
 
+def matrix_shapes(config: LlamaConfig) -> list[tuple[str, int, int]]:
+    """(name, rows, columns) of every Muon matrix: the q/k/v/o and gate/up/down weights of each
+    block (``nn.Linear`` weights are out×in). Embeddings, head and norms go to AdamW."""
+    q, kv, d, f = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.dim, config.ffn_dim
+    shapes = {"attn.q_proj": (q, d), "attn.k_proj": (kv, d), "attn.v_proj": (kv, d), "attn.o_proj": (d, q),
+              "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
+    return [(f"layers.{i}.{name}.weight", m, n) for i in range(config.n_layers) for name, (m, n) in shapes.items()]
+
+
 def param_count(config: LlamaConfig) -> int:
     """Number of parameters of ``Llama(config)``, computed from the shapes alone.
 

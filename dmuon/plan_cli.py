@@ -15,11 +15,11 @@ import json
 from dataclasses import asdict
 
 from dmuon.costmodel import (
-    DEFAULT_SEQ_LEN, DEFAULT_TOKENS_PER_RANK, MODES, Workload, build_plan, hidden_matrices, load_model_config,
+    DEFAULT_SEQ_LEN, DEFAULT_TOKENS_PER_RANK, MODES, Workload, build_plan, load_model_config,
     measured_mfu, muon_params,
 )
 from dmuon.hardware import HARDWARE_NAMES, get_profile, measure_forward_backward_seconds
-from dmuon.models import LlamaConfig, param_count
+from dmuon.models import LlamaConfig, matrix_shapes, param_count
 from dmuon.planner import DEFAULT_BUCKET_BYTES
 from dmuon.simulate import Prediction, predict
 
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                         mfu, bucket_bytes=args.bucket_bytes)
     prediction = predict(workload, args.model)
     print(f"dmuon plan: {args.model} ({param_count(config) / 1e9:.2f} B parameters, "
-          f"{muon_params(config) / 1e9:.2f} B in {len(hidden_matrices(config))} Muon matrices), "
+          f"{muon_params(config) / 1e9:.2f} B in {len(matrix_shapes(config))} Muon matrices), "
           f"{args.world_size} x {profile.name}, {args.mode} [{prediction.status}]")
     print(f"tokens per step {tokens:,} ({workload.tokens_per_rank:,} per rank, sequences of {args.seq_len:,}); "
           f"Newton–Schulz: {prediction.ns_recipe}")

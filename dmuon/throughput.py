@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dmuon.layout import Layout
-from dmuon.models import get_config
+from dmuon.models import get_config, matrix_shapes
 from dmuon.orthogonalization import newton_schulz_flops, orthogonalize, resolve_config
 from dmuon.planner import Unit, make_plan
 
@@ -79,16 +79,6 @@ def ns_throughput(
     return rows
 
 
-def llama_matrix_shapes(model: str, layers: int | None = None) -> list[tuple[str, int, int]]:
-    """(name, m, n) of every Muon matrix of a Llama-style preset."""
-    c = get_config(model)
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    per_layer = {"q_proj": (q, c.dim), "k_proj": (kv, c.dim), "v_proj": (kv, c.dim), "o_proj": (c.dim, q),
-                 "gate_proj": (c.ffn_dim, c.dim), "up_proj": (c.ffn_dim, c.dim), "down_proj": (c.dim, c.ffn_dim)}
-    return [(f"layers.{i}.{name}", m, n) for i in range(layers if layers is not None else c.n_layers)
-            for name, (m, n) in per_layer.items()]
-
-
 @dataclass(frozen=True)
 class RankShare:
     model: str
@@ -101,7 +91,7 @@ class RankShare:
 def rank_share(model: str, world_size: int, device: torch.device, peak: float | None = None,
                layers: int | None = None, repeats: int = 3) -> RankShare:
     """Time the Newton–Schulz work that dmuon's plan gives the busiest rank (FSDP2 layout)."""
-    shapes = llama_matrix_shapes(model, layers)
+    shapes = matrix_shapes(get_config(model, **({"n_layers": layers} if layers else {})))
     ranks = tuple(range(world_size))
     configs = [resolve_config((m, n), device.type) for _, m, n in shapes]
     units = [
@@ -135,7 +125,7 @@ def gpu_report(device: torch.device, models: Sequence[str] = ("llama-3.1-8b", "l
     for dtype in (torch.float16, torch.bfloat16):
         lines.append(f"matrix-product peak {str(dtype).removeprefix('torch.')}: "
                      f"{matmul_peak(device, dtype) / 1e12:.1f} TFLOP/s (measured)")
-    shapes = sorted({(m, n) for model in models for _, m, n in llama_matrix_shapes(model, layers=1)})
+    shapes = sorted({(m, n) for model in models for _, m, n in matrix_shapes(get_config(model, n_layers=1))})
     lines.append(f"{'shape':>12} {'batch':>5} {'method':>8} {'dtype':>8} {'ms':>9} {'TFLOP/s':>8} {'of peak':>7}")
     for row in ns_throughput(device, shapes, batch):
         lines.append(f"{'x'.join(map(str, row.shape)):>12} {row.batch:>5} {row.method:>8} {row.dtype:>8} "

@@ -13,13 +13,13 @@ import torch
 
 from dmuon.cli import main
 from dmuon.costmodel import (
-    Workload, build_plan, config_from_hf, data_parallel_collectives, forward_backward_flops, hidden_matrices,
+    Workload, build_plan, config_from_hf, data_parallel_collectives, forward_backward_flops,
     load_model_config, measured_mfu, muon_params,
 )
 from dmuon.hardware import (
     PROFILES, OtherJobsCpu, get_profile, measure_cpu_profile, measure_forward_backward_seconds,
 )
-from dmuon.models import get_config, param_count
+from dmuon.models import get_config, matrix_shapes, param_count
 from dmuon.orthogonalization import newton_schulz_flops, resolve_config
 from dmuon.simulate import bucket_costs, predict, simulate_optimizer_step, total_traffic
 
@@ -69,7 +69,7 @@ def test_ns_flops_per_rank_sum_to_the_model_total_with_dmuons_recipe():
         w = workload(world=16, profile=profile)
         plan, configs = build_plan(w)
         total = 0
-        for (_, m, n), config in zip(hidden_matrices(w.config), configs):
+        for (_, m, n), config in zip(matrix_shapes(w.config), configs):
             assert config == resolve_config((m, n), profile.device_type)
             assert expect[config.method] == config.dtype
             assert config.method == ("gram" if profile.device_type == "cuda" and max(m, n) >= 2 * min(m, n)
@@ -112,7 +112,7 @@ def test_step_formulas():
     total = param_count(config)
     assert fsdp == {"all_gather": 2 * 63 / 64 * total * 2, "reduce_scatter": 63 / 64 * total * 4}
     owner = data_parallel_collectives(workload(world=64, mode="owner"))
-    muon_bytes = sum(b for k, b, calls in owner if calls == len(hidden_matrices(config)))
+    muon_bytes = sum(b for k, b, calls in owner if calls == len(matrix_shapes(config)))
     assert muon_bytes == pytest.approx(63 / 64 * muon_params(config) * (2 + 4))  # 2(N−1)/N·P at 3 bytes a weight
 
 
@@ -145,7 +145,7 @@ def test_no_overlap_hardware_adds_communication():
 
 def test_more_ranks_less_ns_per_rank_down_to_the_largest_matrix():
     largest = max(newton_schulz_flops(m, n, steps=5, method=c.method, restarts=c.restarts) / 1e9
-                  for (_, m, n), c in zip(hidden_matrices(get_config("llama-3.1-8b")), build_plan(workload())[1]))
+                  for (_, m, n), c in zip(matrix_shapes(get_config("llama-3.1-8b")), build_plan(workload())[1]))
     busiest = [predict(workload(world=n)).ns_gflop_per_rank[2] for n in (1, 2, 8, 32, 128, 256, 1024)]
     assert all(a > b for a, b in zip(busiest[:4], busiest[1:5]))  # 224 matrices: splits down to 128
     assert busiest[4] > largest  # some of 128 ranks own two matrices

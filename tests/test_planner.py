@@ -10,25 +10,17 @@ import time
 import pytest
 
 from dmuon.layout import Layout, chunk_sizes
-from dmuon.models import get_config
+from dmuon.models import get_config, matrix_shapes
 from dmuon.orthogonalization import newton_schulz_flops
 from dmuon.planner import Unit, make_plan, owner_cost, split_replicas_is_cheaper
 
 
 def llama_units(preset: str, world: int, replicas: int = 1, layers: int | None = None) -> list[Unit]:
     """The Muon matrices of a Llama preset as FSDP (replicas=1) or HSDP units, fp32 on the wire."""
-    c = get_config(preset)
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    shapes = {"q": (q, c.dim), "k": (kv, c.dim), "v": (kv, c.dim), "o": (c.dim, q),
-              "gate": (c.ffn_dim, c.dim), "up": (c.ffn_dim, c.dim), "down": (c.dim, c.ffn_dim)}
-    shards = world // replicas
-    units = []
-    for layer in range(layers if layers is not None else c.n_layers):
-        for name, (m, n) in shapes.items():
-            layout = Layout((m, n), replicas, shards, tuple(range(world)))
-            flops = newton_schulz_flops(m, n, steps=5, method="standard")
-            units.append(Unit(f"layers.{layer}.{name}", layout, 1, m, n, 4, flops))
-    return units
+    config = get_config(preset, **({"n_layers": layers} if layers is not None else {}))
+    layout = lambda m, n: Layout((m, n), replicas, world // replicas, tuple(range(world)))  # noqa: E731
+    return [Unit(name, layout(m, n), 1, m, n, 4, newton_schulz_flops(m, n, steps=5, method="standard"))
+            for name, m, n in matrix_shapes(config)]
 
 
 def test_chunk_sizes_follow_torch_chunk():
