@@ -179,18 +179,15 @@ class Orthogonalizer:
         for u in plan.buckets[k]:
             if plan.owners[u] != me:
                 continue
-            work, layout = works[u], plan.units[u].layout
-            sources = plan.gather_sources(u)
+            work = works[u]
             pieces = []
-            first = me // layout.shards * layout.shards
-            for p in range(first, first + layout.shards):
+            for p in plan.replica_block(u):  # the rows of shard 0, 1, … in order
                 if p == me:
                     pieces.append(work.local_input().reshape(-1).to(self.wire_dtype(work)))
                 else:
                     size = plan.units[u].chunk_bytes(p) // plan.units[u].itemsize
                     pieces.append(received[p][offsets[p] : offsets[p] + size])
                     offsets[p] += size
-            assert len(pieces) == len(sources) + 1
             inputs[u] = torch.cat(pieces).reshape(work.count, work.m, work.n)
         batches: dict[tuple, list[int]] = {}
         for u in inputs:

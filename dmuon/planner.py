@@ -78,11 +78,15 @@ class Plan:
 
     # ------------------------------------------------------------- who sends what to whom
 
+    def replica_block(self, unit: int) -> range:
+        """The positions of the owner's replica group: together they hold every row of ``unit``."""
+        shards = self.size // self.replicas
+        first = self.owners[unit] // shards * shards
+        return range(first, first + shards)
+
     def gather_sources(self, unit: int) -> list[int]:
         """Positions that send their rows of ``unit`` to its owner: the owner's replica's shards."""
-        owner, shards = self.owners[unit], self.size // self.replicas
-        first = owner // shards * shards
-        return [p for p in range(first, first + shards) if p != owner]
+        return [p for p in self.replica_block(unit) if p != self.owners[unit]]
 
     def return_targets(self, unit: int) -> list[int]:
         """Positions that receive their rows of the update from the owner: everyone else."""
@@ -107,12 +111,10 @@ class Plan:
         sent = torch.zeros(self.size, dtype=torch.int64)
         received = torch.zeros(self.size, dtype=torch.int64)
         cross = torch.zeros(self.size, dtype=torch.int64)  # only returns cross replicas
-        shards = self.size // self.replicas
-        for unit, owner in zip(self.units, self.owners):
+        for u, (unit, owner) in enumerate(zip(self.units, self.owners)):
             chunk = unit.chunk_bytes_by_position()
             own = int(chunk[owner])
-            first = owner // shards * shards
-            block = slice(first, first + shards)
+            block = slice(self.replica_block(u).start, self.replica_block(u).stop)
             sent[block] += chunk[block]
             sent[owner] -= own
             received[owner] += int(chunk[block].sum()) - own

@@ -56,6 +56,22 @@ class Traffic:
     def zeros(cls, size: int) -> Traffic:
         return cls(*(torch.zeros(size, dtype=torch.int64) for _ in range(4)))
 
+    def add_to_owner(self, bytes_by_rank: Tensor, owner: int, same_node: Tensor) -> None:
+        """Every rank sends ``bytes_by_rank`` to ``owner`` (a gather)."""
+        intra, inter = _split(bytes_by_rank, same_node)
+        self.intra_out += intra
+        self.inter_out += inter
+        self.intra_in[owner] += intra.sum()
+        self.inter_in[owner] += inter.sum()
+
+    def add_from_owner(self, bytes_by_rank: Tensor, owner: int, same_node: Tensor) -> None:
+        """``owner`` sends every rank ``bytes_by_rank`` (a return)."""
+        intra, inter = _split(bytes_by_rank, same_node)
+        self.intra_in += intra
+        self.inter_in += inter
+        self.intra_out[owner] += intra.sum()
+        self.inter_out[owner] += inter.sum()
+
     def add(self, other: Traffic) -> None:
         for name in ("intra_out", "intra_in", "inter_out", "inter_in"):
             getattr(self, name).add_(getattr(other, name))
@@ -134,23 +150,13 @@ def bucket_costs(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload) 
             chunk = chunks[u]
             elements = (chunk // unit.itemsize).double()
             same = node == node[owner]
-            shards = unit.layout.shards
             senders = torch.zeros(size, dtype=torch.bool)
-            senders[owner // shards * shards : owner // shards * shards + shards] = True
-            senders[owner] = False
-            sent_intra, sent_inter = _split(chunk * senders, same)
-            gather.intra_out += sent_intra
-            gather.inter_out += sent_inter
-            gather.intra_in[owner] += sent_intra.sum()
-            gather.inter_in[owner] += sent_inter.sum()
+            senders[plan.gather_sources(u)] = True
+            gather.add_to_owner(chunk * senders, owner, same)
             prep_bytes += elements * senders * (NESTEROV_BYTES + pack_bytes(unit.itemsize))
             others = torch.ones(size, dtype=torch.bool)
             others[owner] = False
-            back_intra, back_inter = _split(chunk * others, same)
-            ret.intra_in += back_intra
-            ret.inter_in += back_inter
-            ret.intra_out[owner] += back_intra.sum()
-            ret.inter_out[owner] += back_inter.sum()
+            ret.add_from_owner(chunk * others, owner, same)
             returned = (elements * others).sum()
             owner_bytes[owner] += elements[owner] * NESTEROV_BYTES + returned * pack_bytes(unit.itemsize)
             apply_bytes += elements * APPLY_BYTES
