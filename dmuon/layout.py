@@ -15,6 +15,8 @@ FSDP2 ``(Shard(0),)``      the mesh's group                        1      P
 HSDP ``(Replicate(), Shard(0))``, replicas split the work
                            all ranks of the 2-D mesh (WORLD)       R      S
 HSDP, each replica alone   the mesh's shard-dim group              1      S
+owner-sharded (whole on    none: the owner steps it alone          1      1
+one owner rank)
 =========================  ======================================  =====  =====
 
 Anything else (tensor parallel ``Shard(1)``, ``_StridedShard``, ``Partial``) raises
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch.distributed as dist
 from torch import Tensor
@@ -59,6 +62,38 @@ def chunk_sizes(rows: int, shards: int) -> list[int]:
     return [max(0, min(per, rows - s * per)) for s in range(shards)]
 
 
+class OwnerShardingHandle(Protocol):
+    """What the optimizer needs from an owner sharding (:mod:`dmuon.owner`)."""
+
+    def wait_for_gradients(self) -> None: ...
+
+    def weights_changed(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class OwnedParam:
+    """Marks a parameter stored whole on one owner rank of its sharding's group."""
+
+    owner: int  # global rank
+    sharding: OwnerShardingHandle
+
+    @property
+    def is_mine(self) -> bool:
+        return self.owner == (dist.get_rank() if dist.is_initialized() else 0)
+
+
+_OWNED_ATTR = "_dmuon_owned"
+
+
+def mark_owned(param: Tensor, owned: OwnedParam) -> None:
+    setattr(param, _OWNED_ATTR, owned)
+
+
+def owned_by(param: Tensor) -> OwnedParam | None:
+    """The ownership of an owner-sharded parameter, or None for any other storage."""
+    return getattr(param, _OWNED_ATTR, None)
+
+
 def _group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
@@ -71,6 +106,8 @@ def detect_layout(
     ``split_replicas``: for HSDP, whether the replicas split the work (exchange over all mesh
     ranks) or each replica group orthogonalizes everything alone (exchange over its shards).
     """
+    if owned_by(param) is not None:  # whole on its owner, which steps it alone
+        return Layout(tuple(param.shape), 1, 1, (owned_by(param).owner,)), None
     if not isinstance(param, DTensor):
         if not dist.is_available() or not dist.is_initialized():
             return Layout(tuple(param.shape), 1, 1, (0,)), None

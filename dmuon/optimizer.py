@@ -16,7 +16,7 @@ from torch.optim.adamw import adamw as adamw_update
 
 from dmuon.engine import MatrixWork, Orthogonalizer, StepStats, unit_of
 from dmuon.exchange import all_reduce_max, gather_objects
-from dmuon.layout import detect_layout
+from dmuon.layout import detect_layout, owned_by
 from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, resolve_config
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, split_replicas_is_cheaper
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, default_route, matrix_shape, module_roles
@@ -48,6 +48,12 @@ def adjusted_lr_ratio(adjust_lr_fn: str | None, m: int, n: int) -> float:
 def _local(tensor: Tensor) -> Tensor:
     """This rank's piece of a tensor: the local shard of a DTensor (a view: writes go through)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _steps_here(param: Tensor) -> bool:
+    """Whether this rank steps ``param``: always, unless it is owner-sharded to another rank."""
+    owned = owned_by(param)
+    return owned is None or owned.is_mine
 
 
 def _check_range(name: str, value: Any, where: str, low: float, high: float | None = None,
@@ -369,10 +375,19 @@ class Muon(torch.optim.Optimizer):
         return MatrixWork(name, inputs[id(p)], apply, tuple(local.shape), local.dtype, layout, process_group,
                           count, m, n, config)
 
+    def _owner_shardings(self) -> list:
+        """The owner shardings (:mod:`dmuon.owner`) of this optimizer's parameters."""
+        found = {}
+        for _, p, _, _ in self._muon_params():
+            owned = owned_by(p)
+            if owned is not None:
+                found.setdefault(id(owned.sharding), owned.sharding)
+        return list(found.values())
+
     @property
     def plans(self) -> list[Plan]:
         """The plan of each exchange group (usually one): owners, buckets, bytes; see Plan.table()."""
-        entries = self._muon_params()
+        entries = [e for e in self._muon_params() if _steps_here(e[1])]
         # a plan needs shapes and layouts only: no inputs are computed
         return self._engine.plans_for(self._works(entries, dict.fromkeys(id(p) for _, p, _, _ in entries)))
 
@@ -424,9 +439,19 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._engine.start_step()
+        shardings = self._owner_shardings()
+        for sharding in shardings:
+            sharding.wait_for_gradients()
         stepped = self._agree_on_gradients()
         if stepped is None:
             return loss
+        for sharding in shardings:
+            sharding.weights_changed()
+        for _, p, _, _ in self._muon_params():
+            if not _steps_here(p):
+                # An empty entry on the ranks that do not own p: every rank's optimizer state
+                # then names every parameter, as torch.distributed.checkpoint requires to load.
+                self.state[p]
         inputs = {}
         for group in self.param_groups:
             if group["algorithm"] == "muon":
@@ -451,10 +476,12 @@ class Muon(torch.optim.Optimizer):
         if check:
             for g, group in enumerate(self.param_groups):
                 names = group.get("param_names") or [f"group {g} param {i}" for i in range(len(group["params"]))]
-                flags = [(n, torch.isfinite(_local(p.grad)).all()) for n, p in zip(names, group["params"]) if p.grad is not None]
+                flags = [(n, torch.isfinite(_local(p.grad)).all()) for n, p in zip(names, group["params"])
+                         if p.grad is not None and _steps_here(p)]
                 if flags and not bool(torch.stack([f for _, f in flags]).all()):
                     bad.extend(n for n, f in flags if not f)
-        local = torch.tensor([float(bool(bad))] + [float(p.grad is None) for _, p in muon])
+        # an owner-sharded parameter's gradient is its owner's business alone: others report none missing
+        local = torch.tensor([float(bool(bad))] + [float(p.grad is None and _steps_here(p)) for _, p in muon])
         agreed = all_reduce_max(local, self._agreement_group(), self._engine.counter)
         if agreed[0] > 0:
             where = bad or ["another rank's parameters"]
@@ -463,10 +490,11 @@ class Muon(torch.optim.Optimizer):
             self.skipped_steps += 1
             warnings.warn(f"Muon skipped a step: non-finite gradients in {where}.", stacklevel=3)
             return None
-        partial = [name for (name, p), missing in zip(muon, agreed[1:].tolist()) if missing and p.grad is not None]
+        partial = [name for (name, p), missing in zip(muon, agreed[1:].tolist())
+                   if missing and p.grad is not None and _steps_here(p)]
         if partial:
             warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=3)
-        return {id(p) for (_, p), missing in zip(muon, agreed[1:].tolist()) if not missing}
+        return {id(p) for (_, p), missing in zip(muon, agreed[1:].tolist()) if not missing and _steps_here(p)}
 
     def _agreement_group(self) -> dist.ProcessGroup | None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

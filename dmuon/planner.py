@@ -180,6 +180,31 @@ def owner_cost(unit: Unit, size: int, flops_per_byte: float) -> float:
     return unit.flops + flops_per_byte * moved
 
 
+def balance_owners(costs: Sequence[float], names: Sequence[str], size: int) -> tuple[list[int], list[int]]:
+    """LPT: give each item, costliest first (ties broken by name), to the position with the least
+    load so far. Returns (owner of each item, the order items were placed in)."""
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], names[i]))
+    least_loaded = [(0.0, p) for p in range(size)]  # a heap: (load, position)
+    owners = [0] * len(costs)
+    for i in order:
+        load, owner = heapq.heappop(least_loaded)
+        owners[i] = owner
+        heapq.heappush(least_loaded, (load + costs[i], owner))
+    return owners, order
+
+
+def plan_ownership(names: Sequence[str], flops: Sequence[int], nbytes: Sequence[int], size: int) -> list[int]:
+    """Owner-sharded data parallel: the owner position of each whole parameter.
+
+    An owner does the parameter's Newton–Schulz *and* keeps its weight, gradient and momentum,
+    so both must balance: each parameter costs its share of the total NS FLOPs plus its share of
+    the total bytes, and LPT balances that sum.
+    """
+    total_flops, total_bytes = max(sum(flops), 1), max(sum(nbytes), 1)
+    costs = [f / total_flops + b / total_bytes for f, b in zip(flops, nbytes)]
+    return balance_owners(costs, names, size)[0]
+
+
 def make_plan(
     units: Sequence[Unit],
     size: int,
@@ -194,13 +219,7 @@ def make_plan(
     if bucket_bytes <= 0:
         raise ValueError(f"Invalid {bucket_bytes=}. Must be > 0.")
     costs = [owner_cost(u, size, flops_per_byte) for u in units]
-    order = sorted(range(len(units)), key=lambda i: (-costs[i], units[i].name))
-    least_loaded = [(0.0, p) for p in range(size)]  # a heap: (load, position)
-    owners = [0] * len(units)
-    for i in order:
-        load, owner = heapq.heappop(least_loaded)
-        owners[i] = owner
-        heapq.heappush(least_loaded, (load + costs[i], owner))
+    owners, order = balance_owners(costs, [u.name for u in units], size)
     # Buckets hold about ``bucket_bytes`` of NS input *per owner*: a bucket closes only when an
     # owner that already has work in it would go over, so every bucket gives every rank work
     # (one LPT round at least) and NS runs on all ranks at once, even when one matrix alone is

@@ -39,6 +39,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import dmuon
+from dmuon.layout import owned_by
 from dmuon.models import Llama, SyntheticTokens, get_config
 from tests.distributed import run_on_ranks
 
@@ -53,9 +54,18 @@ RTOL, ATOL = 1e-4, 1e-6
 # ------------------------------------------------------------------ helpers run inside the workers
 
 def build(layout: str, **overrides) -> tuple[nn.Module, dmuon.Muon]:
-    """The tiny Llama (seed 0) in ``layout`` ("fsdp", "ddp" or "plain") and its dmuon.Muon."""
+    """The tiny Llama (seed 0) in ``layout`` ("fsdp", "ddp", "owner", "owner+fsdp" or "plain")
+    and its dmuon.Muon."""
     model = Llama(get_config("tiny"), seed=0)
-    if layout == "fsdp":
+    if layout.startswith("owner"):
+        with_fsdp = layout == "owner+fsdp"
+        sharding = dmuon.shard_by_owner(model, layers=model.layers, replicate_rest=not with_fsdp)
+        if with_fsdp:
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh, ignored_params=set(sharding.params))
+            fully_shard(model, mesh=mesh, ignored_params=set(sharding.params))
+    elif layout == "fsdp":
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
@@ -89,6 +99,14 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
+def from_owner(p: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
+    """``t`` (``p`` or a state tensor of ``p``) as its owner holds it, on every rank (collective)."""
+    owner = owned_by(p).owner
+    out = t.detach().clone() if dist.get_rank() == owner else torch.empty(p.shape, dtype=p.dtype)
+    dist.broadcast(out, src=owner)
+    return out
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t.detach()
 
@@ -97,9 +115,16 @@ def snapshot(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     """Full params and full optimizer state, by parameter name, in a rank-independent order."""
     params, state = {}, {}
     for name, p in model.named_parameters():
-        params[fqn(name)] = full(p)
-        for key in sorted(optim.state.get(p, {})):
-            state[f"{fqn(name)}.{key}"] = full(optim.state[p][key])
+        if owned_by(p) is None:
+            params[fqn(name)] = full(p)
+            for key in sorted(optim.state.get(p, {})):
+                state[f"{fqn(name)}.{key}"] = full(optim.state[p][key])
+            continue
+        params[fqn(name)] = from_owner(p, p)
+        keys = [sorted(optim.state.get(p, {}))]  # only the owner has state for p
+        dist.broadcast_object_list(keys, src=owned_by(p).owner)
+        for key in keys[0]:
+            state[f"{fqn(name)}.{key}"] = from_owner(p, optim.state[p][key] if key in optim.state.get(p, {}) else None)
     return dict(params=params, state=state)
 
 
@@ -170,9 +195,9 @@ def resume_same_world(layout: str, path: str) -> dict:
     )
 
 
-def save_at_world(path: str) -> dict:
+def save_at_world(path: str, layout: str = "fsdp") -> dict:
     """The reference run: save after SAVED_AT steps, then continue MORE steps."""
-    model, optim = build("fsdp")
+    model, optim = build(layout)
     train(model, optim, range(SAVED_AT))
     save(model, optim, path)
     saved, saved_layout = snapshot(model, optim), state_layout(model, optim)
@@ -282,11 +307,12 @@ def max_relative_excess(a: dict, b: dict) -> tuple[float, float]:
 
 def assert_placed_like_params(layout_of_state: dict, layout: str, world: int) -> None:
     """Per-parameter state is sharded like FSDP2's parameters (Shard(0) over all ranks), or a
-    plain tensor without FSDP2; the AdamW step count is a plain fp32 scalar."""
+    plain tensor without FSDP2 and for owner-sharded matrices (whole, on their owner); the AdamW
+    step count is a plain fp32 scalar."""
     for name, d in layout_of_state.items():
         if name.endswith(".step"):
             assert d[0] == "Tensor" and d[3] == torch.float32 and d[4] == (), (name, d)
-        elif layout == "fsdp":
+        elif layout == "fsdp" or (layout == "owner+fsdp" and not name.endswith("momentum_buffer")):
             assert d[0] == "DTensor" and d[1] == (Shard(0),) and d[2] == tuple(range(world)), (name, d)
         else:
             assert d[0] == "Tensor", (name, d)
@@ -298,9 +324,9 @@ def assert_same_on_all_ranks(results: list[dict], key: str) -> None:
             assert_bitwise(results[0][key][part], r[key][part], f"{key} {part} rank 0 vs {rank}")
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "ddp"])
+@pytest.mark.parametrize("layout", ["fsdp", "ddp", "owner", "owner+fsdp"])
 def test_resume_at_same_world_size_is_bitwise(layout, tmp_path):
-    """Row 7 (and row 18 across save/load/steps), FSDP2 and DDP at 2 ranks."""
+    """Row 7 (and row 18 across save/load/steps), FSDP2, DDP and owner-sharded at 2 ranks."""
     results = run_on_ranks(2, resume_same_world, layout, str(tmp_path / "ckpt"))
     # under DDP the snapshots are each rank's own replicated copies: they must agree
     for key in ("saved", "uninterrupted", "loaded", "resumed"):
@@ -326,10 +352,29 @@ def saved_at_4(tmp_path_factory) -> tuple[str, dict]:
     return path, results[0]
 
 
-@pytest.mark.parametrize("world,layout", [(2, "fsdp"), (3, "fsdp"), (1, "plain")])
+@pytest.fixture(scope="module")
+def owner_saved_at_4(tmp_path_factory) -> tuple[str, dict]:
+    path = str(tmp_path_factory.mktemp("dcp") / "owner4")
+    results = run_on_ranks(4, save_at_world, path, "owner")
+    assert_same_on_all_ranks(results, "continued")
+    return path, results[0]
+
+
+@pytest.mark.parametrize("world,layout", [(2, "fsdp"), (3, "fsdp"), (1, "plain"), (3, "owner"), (2, "owner+fsdp")])
 def test_resume_at_another_world_size(saved_at_4, world, layout):
-    """Row 8: saved at 4 ranks, loaded at 2, 3 (FSDP2) and 1 (plain module)."""
-    path, ref = saved_at_4
+    """Row 8: saved at 4 ranks (FSDP2), loaded at 2, 3 (FSDP2, owner-sharded) and 1 (plain module)."""
+    check_resume(saved_at_4, world, layout)
+
+
+@pytest.mark.parametrize("world,layout", [(2, "owner"), (3, "owner+fsdp"), (1, "plain"), (2, "fsdp")])
+def test_owner_sharded_checkpoint_resumes_anywhere(owner_saved_at_4, world, layout):
+    """Saved owner-sharded at 4 ranks (each matrix once, by its owner), loaded owner-sharded at
+    2 and 3 ranks, into one plain process and into FSDP2."""
+    check_resume(owner_saved_at_4, world, layout)
+
+
+def check_resume(saved: tuple[str, dict], world: int, layout: str) -> None:
+    path, ref = saved
     results = run_on_ranks(world, resume_at_world, layout, path)
     if world > 1:
         assert_same_on_all_ranks(results, "continued")
@@ -348,9 +393,13 @@ def test_resume_at_another_world_size(saved_at_4, world, layout):
     # row 18: the state keeps the layout it was loaded with
     assert r["loaded_layout"] == r["continued_layout"]
     assert_placed_like_params(r["loaded_layout"], layout, world)
-    # same dtype, global shape and device as at 4 ranks
-    assert {k: (d[3], d[4], d[6]) for k, d in r["loaded_layout"].items()} == \
-           {k: (d[3], d[4], d[6]) for k, d in ref["layout"].items()}
+    # same dtype, global shape and device as at 4 ranks (of owner-sharded matrices, rank 0
+    # holds the state of those it owns only; the snapshots above cover all of it)
+    def kept(d: tuple) -> tuple:
+        return d[3], d[4], d[6]
+
+    shared = r["loaded_layout"].keys() & ref["layout"].keys()
+    assert shared and all(kept(r["loaded_layout"][k]) == kept(ref["layout"][k]) for k in shared)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -1,0 +1,480 @@
+"""Owner-sharded data parallel: every Muon weight matrix lives whole on one owner rank.
+
+Under FSDP2 each matrix is split row-wise over all ranks, so Muon must gather it to an owner and
+send the update back — two extra transfers per step. Here the matrix is *stored* on its owner
+instead (the DMuon paper's "dedicated ownership"), so the optimizer step moves nothing:
+
+* **setup** (:func:`shard_by_owner`): the planner picks an owner per parameter, balancing
+  Newton–Schulz FLOPs and bytes kept (:func:`dmuon.planner.plan_ownership`); the weights are
+  broadcast from rank 0 once (as DDP does), then every other rank frees its copy (the tensor
+  keeps its shape; its storage is resized to zero bytes).
+* **forward**: before a layer runs, its matrices are broadcast from their owners (one call per
+  owner and dtype per layer), and the next layer's broadcast is started so that it overlaps
+  this layer's compute (the order is learnt from the first forward).
+* **after forward**: ``reshard_after_forward=False`` ("Z2") keeps the broadcast weights until the
+  layer's backward is done; ``True`` ("Z3") frees them at once and broadcasts them again when the
+  backward reaches the layer — less memory, 3(N−1)/N·P bytes per step instead of 2(N−1)/N·P.
+* **backward**: as soon as all gradients of a layer are ready, they are summed onto their owners
+  (one ``reduce`` per owner and dtype, asynchronous) and the copies elsewhere are dropped; the
+  owner's gradient becomes the average. Inside :meth:`OwnerSharding.no_sync` gradients only
+  accumulate locally (gradient accumulation), and the reduce happens on the last micro-batch.
+* **step**: :class:`dmuon.Muon` sees that a parameter is owner-sharded and, on its owner only,
+  runs momentum, Newton–Schulz and the update locally; other ranks hold no state for it.
+
+Parameters Muon does not update stay with DDP/FSDP2 (``fully_shard(...,
+ignored_params=sharding.params)``), or, with ``replicate_rest=True`` (the default), are kept
+replicated here: broadcast from rank 0 at setup, gradients all-reduced (averaged) in backward.
+
+Checkpoints: ``model.state_dict()`` holds, on each rank, the matrices it owns (whole, as plain
+tensors), and the optimizer holds their state; ``torch.distributed.checkpoint`` therefore saves
+each matrix once, from its owner, and loads it at any world size or into any other layout.
+
+Only public torch APIs are used: module forward hooks, tensor gradient hooks,
+``Tensor.register_post_accumulate_grad_hook``, ``UntypedStorage.resize_``, state-dict hooks and
+``torch.distributed`` collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dmuon.exchange import CommCounter
+from dmuon.layout import OwnedParam, mark_owned
+from dmuon.orthogonalization import newton_schulz_flops, resolve_config
+from dmuon.planner import plan_ownership
+from dmuon.routing import default_route, matrix_shape, module_roles
+
+
+@dataclass
+class _Layer:
+    """The owner-sharded parameters one module's forward uses, and their state this step."""
+
+    name: str
+    module: nn.Module
+    params: list[tuple[str, nn.Parameter]]
+    valid_version: int = -1  # the weights' version the local copies hold; -1: freed
+    pending: list = field(default_factory=list)  # broadcasts in flight
+    ready: set[int] = field(default_factory=set)  # ids of parameters whose gradient is ready
+
+    def by_owner(self, owners: dict[int, int]) -> dict[tuple[int, torch.dtype], list[nn.Parameter]]:
+        """Parameters grouped per (owner, dtype), in a rank-independent order."""
+        groups: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
+        for _, p in self.params:
+            groups.setdefault((owners[id(p)], p.dtype), []).append(p)
+        return dict(sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))))
+
+
+def _storage_bytes(p: Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def _free(p: Tensor) -> None:
+    p.data.untyped_storage().resize_(0)
+
+
+def _allocate(p: Tensor) -> None:
+    storage = p.data.untyped_storage()
+    if storage.nbytes() != _storage_bytes(p):
+        storage.resize_(_storage_bytes(p))
+
+
+def _tensors(value: object) -> Iterator[Tensor]:
+    """The tensors inside a module's output (a tensor, or tuples/lists/dicts of them)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class OwnerSharding:
+    """The owner-sharded parameters of one model and the hooks that move them; made by
+    :func:`shard_by_owner`. Attributes: ``params`` (the owner-sharded parameters), ``owners``
+    (name → owner's global rank), ``last_step_bytes`` (bytes this rank sent for them in the last
+    forward+backward: broadcasts counted at the source once per receiver, reduces at each
+    sender), ``rest_bytes`` (the same for the replicated rest)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        named_params: list[tuple[str, nn.Parameter]],
+        layers: list[_Layer],
+        positions: list[int],
+        group: dist.ProcessGroup | None,
+        reshard_after_forward: bool,
+        rest: list[nn.Parameter],
+    ) -> None:
+        self.model = model
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.reshard_after_forward = reshard_after_forward
+        self.params = [p for _, p in named_params]
+        owners = [self._global(q) for q in positions]
+        self.owners = {name: owner for (name, _), owner in zip(named_params, owners)}
+        self._owner_of = {id(p): owner for (_, p), owner in zip(named_params, owners)}
+        self._layers = layers
+        self._rest = rest
+        self._version = 0
+        self._sync = True
+        self._order: list[int] = []  # layer indices in the order the first forward ran them
+        self._reduces: list = []  # (parameters, flat buffer, work) of gradient reduces in flight
+        self._rest_reduces: list = []
+        self._layers_done = 0
+        self._rest_ready: set[int] = set()
+        self._backward_seen = False
+        self._not_missing: set[str] = set()  # state-dict keys the owners load, not this rank
+        self.counter = CommCounter()
+        self.rest_counter = CommCounter()
+        self.last_step_bytes = 0
+        self.rest_bytes = 0
+        self._handles: list = []
+        for p in self.params:
+            mark_owned(p, OwnedParam(self._owner_of[id(p)], self))
+
+    # ------------------------------------------------------------------ queries
+
+    def is_mine(self, param: Tensor) -> bool:
+        return self._owner_of[id(param)] == self.rank
+
+    def owned_bytes(self, rank: int) -> int:
+        """Bytes of weights ``rank`` keeps between steps (its gradients and Muon momentum take
+        the same again each): the planner's memory balance."""
+        return sum(_storage_bytes(p) for p in self.params if self._owner_of[id(p)] == rank)
+
+    def _global(self, position: int) -> int:
+        return dist.get_global_rank(self.group, position) if self.group is not None else self.rank
+
+    # ------------------------------------------------------------------ forward
+
+    def _start_broadcast(self, layer: _Layer) -> None:
+        if layer.pending or layer.valid_version == self._version:
+            return
+        for (owner, _), members in layer.by_owner(self._owner_of).items():
+            mine = owner == self.rank
+            if not mine:
+                for p in members:
+                    _allocate(p)
+            if self.group is None:
+                continue
+            if len(members) == 1:  # straight into (or out of) the parameter: no copy
+                flat = members[0].data.reshape(-1)
+            elif mine:
+                flat = torch.cat([p.data.reshape(-1) for p in members])
+            else:
+                flat = torch.empty(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
+            if mine:
+                self.counter.bytes_sent += flat.numel() * flat.element_size() * (self.size - 1)
+            self.counter.collectives += 1
+            work = dist.broadcast(flat, src=owner, group=self.group, async_op=True)
+            layer.pending.append((mine, members, flat, work))
+
+    def _materialize(self, layer: _Layer) -> None:
+        self._start_broadcast(layer)
+        for mine, members, flat, work in layer.pending:
+            work.wait()
+            if not mine and len(members) > 1:
+                for p, piece in zip(members, flat.split([p.numel() for p in members])):
+                    p.data.copy_(piece.view_as(p))  # through .data: autograd's version counter is not bumped
+        layer.pending = []
+        layer.valid_version = self._version
+
+    def _release(self, layer: _Layer) -> None:
+        """Free the copies of the layer's weights this rank does not own."""
+        for _, p in layer.params:
+            if not self.is_mine(p):
+                _free(p)
+        layer.valid_version = -1
+
+    def _neighbour(self, index: int, step: int) -> _Layer | None:
+        if index not in self._order:
+            return None
+        at = self._order.index(index) + step
+        return self._layers[self._order[at]] if 0 <= at < len(self._order) else None
+
+    def _before_forward(self, index: int) -> None:
+        if index not in self._order:
+            self._order.append(index)
+        self._materialize(self._layers[index])
+        following = self._neighbour(index, +1)
+        if following is not None:
+            self._start_broadcast(following)  # prefetch: overlaps this layer's compute
+
+    def _after_forward(self, index: int, output: object) -> None:
+        layer = self._layers[index]
+        if not torch.is_grad_enabled():
+            self._release(layer)
+        elif self.reshard_after_forward:
+            self._release(layer)
+            fired = []
+
+            def before_backward(grad: Tensor) -> Tensor:
+                if not fired:  # once per output tensor set: the first gradient to arrive
+                    fired.append(True)
+                    self._materialize(layer)
+                    previous = self._neighbour(index, -1)
+                    if previous is not None:
+                        self._start_broadcast(previous)
+                return grad
+
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(before_backward)
+
+    # ------------------------------------------------------------------ backward
+
+    def _gradient_ready(self, index: int, param: nn.Parameter) -> None:
+        layer = self._layers[index]
+        self._backward_seen = True
+        layer.ready.add(id(param))
+        if len(layer.ready) == len(layer.params):
+            self._layer_backward_done(layer)
+            self._maybe_finish()
+
+    def _layer_backward_done(self, layer: _Layer) -> None:
+        if self._sync:
+            for (owner, _), members in layer.by_owner(self._owner_of).items():
+                with_grad = [p for p in members if p.grad is not None]
+                if not with_grad:
+                    continue
+                flat = torch.cat([p.grad.reshape(-1) for p in with_grad])
+                if self.group is not None:
+                    if owner != self.rank:
+                        self.counter.bytes_sent += flat.numel() * flat.element_size()
+                        for p in with_grad:
+                            p.grad = None  # the flat copy is what travels; keep no second one
+                    self.counter.collectives += 1
+                    work = dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                else:
+                    work = None
+                self._reduces.append((owner, with_grad, flat, work))
+        layer.ready.clear()
+        self._release(layer)
+        self._layers_done += 1
+
+    def _rest_gradient_ready(self, param: nn.Parameter) -> None:
+        if self._sync and self.group is not None:
+            self.rest_counter.bytes_sent += param.grad.numel() * param.grad.element_size()
+            self.rest_counter.collectives += 1
+            work = dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self._rest_reduces.append((param, work))
+        self._backward_seen = True
+        self._rest_ready.add(id(param))
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        if self._layers_done == len(self._layers) and len(self._rest_ready) == len(self._rest):
+            self.wait_for_gradients()
+
+    def wait_for_gradients(self) -> None:
+        """Finish the gradient reduction of the last backward: afterwards each owner holds the
+        averaged gradient of its parameters and other ranks none. Runs by itself when every
+        parameter got its gradient; :class:`dmuon.Muon` calls it before stepping, for backward
+        passes that left some parameters without one (which must be the same on every rank)."""
+        if not self._backward_seen:
+            return
+        self._backward_seen = False
+        for layer in self._layers:
+            if layer.ready:  # some of its parameters got gradients, others none
+                self._layer_backward_done(layer)
+        for owner, members, flat, work in self._reduces:
+            if work is not None:
+                work.wait()
+            if owner == self.rank:
+                flat.div_(self.size)
+                for p, piece in zip(members, flat.split([p.numel() for p in members])):
+                    p.grad = piece.view_as(p)
+        for p, work in self._rest_reduces:
+            work.wait()
+            p.grad.div_(self.size)
+        self._reduces, self._rest_reduces = [], []
+        self._layers_done, self._rest_ready = 0, set()
+        self.last_step_bytes, self.rest_bytes = self.counter.bytes_sent, self.rest_counter.bytes_sent
+        self.counter.reset()
+        self.rest_counter.reset()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes inside only accumulate gradients locally;
+        the first backward after the block reduces the sum."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def weights_changed(self) -> None:
+        """The owners' weights changed (an optimizer step, a load): local copies are stale."""
+        self._version += 1
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _drop_unowned(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in self._owner_of and not self.is_mine(p):
+                state_dict.pop(prefix + name, None)
+
+    def _skip_unowned_on_load(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs) -> None:
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in self._owner_of and not self.is_mine(p):
+                state_dict.pop(prefix + name, None)  # the owner loads it
+                self._not_missing.add(prefix + name)
+
+    def _forgive_unowned(self, module: nn.Module, incompatible_keys) -> None:
+        for key in list(incompatible_keys.missing_keys):
+            if key in self._not_missing:
+                incompatible_keys.missing_keys.remove(key)
+        self.weights_changed()
+
+    # ------------------------------------------------------------------ setup
+
+    def _install(self, sync_module_states: bool) -> None:
+        for index, layer in enumerate(self._layers):
+            module = layer.module
+            self._handles.append(module.register_forward_pre_hook(lambda m, args, i=index: self._before_forward(i)))
+            self._handles.append(module.register_forward_hook(
+                lambda m, args, out, i=index: self._after_forward(i, out)))
+            for _, p in layer.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda param, i=index: self._gradient_ready(i, param)))
+        for p in self._rest:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._rest_gradient_ready))
+        holders = {id(m): m for m in self.model.modules()
+                   if any(id(p) in self._owner_of for p in m.parameters(recurse=False))}
+        for module in holders.values():
+            # partial: torch marks hooks with an attribute, which bound methods cannot take
+            self._handles.append(module.register_state_dict_post_hook(partial(OwnerSharding._drop_unowned, self)))
+            self._handles.append(module.register_load_state_dict_pre_hook(
+                partial(OwnerSharding._skip_unowned_on_load, self)))
+            self._handles.append(module.register_load_state_dict_post_hook(partial(OwnerSharding._forgive_unowned, self)))
+        with torch.no_grad():
+            if sync_module_states and self.group is not None:
+                for p in self.params + self._rest:  # rank 0's initial values everywhere, as DDP does
+                    dist.broadcast(p.data, src=self._global(0), group=self.group)
+            for layer in self._layers:
+                self._release(layer)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _default_layers(model: nn.Module, managed: dict[int, str], layers: Iterable[nn.Module] | None
+                    ) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """(name, module, parameters) per layer: each given layer takes the managed parameters inside
+    it; the rest go with the module that holds them directly."""
+    chosen = list(layers or [])
+    names = {id(m): n for n, m in model.named_modules()}
+    out, placed = [], {}
+    for module in chosen:
+        if id(module) not in names:
+            raise ValueError(f"A module in layers is not part of the model: {type(module).__name__}.")
+    for module in chosen + [m for m in model.modules() if m not in chosen]:
+        direct = module in chosen
+        members = []
+        params = module.named_parameters() if direct else module.named_parameters(recurse=False)
+        for local_name, p in params:
+            if id(p) not in managed:
+                continue
+            if id(p) in placed:
+                if placed[id(p)] is not module and direct:
+                    raise ValueError(f"Parameter {managed[id(p)]!r} is in two layers: {placed[id(p)]} and {names[id(module)]!r}.")
+                continue
+            placed[id(p)] = names[id(module)] or "<model>"
+            members.append((managed[id(p)], p))
+        if members:
+            out.append((names[id(module)] or "<model>", module, members))
+    return out
+
+
+def _group_of(mesh_or_group) -> dist.ProcessGroup | None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if mesh_or_group is None:
+        group = dist.group.WORLD
+    elif isinstance(mesh_or_group, dist.ProcessGroup):
+        group = mesh_or_group
+    elif getattr(mesh_or_group, "ndim", None) == 1:
+        group = mesh_or_group.get_group(0)
+    else:
+        raise NotImplementedError(
+            f"shard_by_owner takes a process group or a 1-D DeviceMesh, got {mesh_or_group!r}."
+        )
+    return group if dist.get_world_size(group) > 1 else None  # one rank: nothing to move
+
+
+def shard_by_owner(
+    model: nn.Module,
+    mesh_or_group: dist.ProcessGroup | object | None = None,
+    *,
+    reshard_after_forward: bool = False,
+    layers: Iterable[nn.Module] | None = None,
+    params: Iterable[nn.Parameter] | None = None,
+    replicate_rest: bool = True,
+    sync_module_states: bool = True,
+) -> OwnerSharding:
+    """Store each Muon weight matrix of ``model`` whole on one owner rank (module docstring).
+
+    ``mesh_or_group``: a 1-D DeviceMesh or a process group (default: the world).
+    ``reshard_after_forward``: False keeps broadcast weights until backward ("Z2"); True frees
+    them after forward and broadcasts again in backward ("Z3").
+    ``layers``: modules whose owner-sharded parameters move together (one broadcast per owner per
+    layer, e.g. the transformer blocks); by default each module holding such parameters.
+    ``params``: the parameters to owner-shard; by default those :class:`dmuon.Muon` routes to Muon.
+    ``replicate_rest``: keep every other parameter replicated (gradients all-reduced here, like
+    DDP); pass False when FSDP2/DDP handles them (``fully_shard(..., ignored_params=sharding.params)``).
+
+    Call it before creating the optimizer and before ``fully_shard``; every rank must call it
+    with the same model.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard_by_owner takes an nn.Module, not a {type(model).__name__}.")
+    group = _group_of(mesh_or_group)
+    named = dict((id(p), (n, p)) for n, p in model.named_parameters())
+    if params is None:
+        roles = module_roles(model)
+        chosen = [(n, p) for n, p in named.values()
+                  if p.requires_grad and default_route(p, n, roles.get(id(p))).algorithm == "muon"]
+    else:
+        chosen = []
+        for p in params:
+            if id(p) not in named:
+                raise ValueError(f"A parameter of shape {tuple(p.shape)} in params is not a parameter of the model.")
+            chosen.append(named[id(p)])
+    for name, p in chosen:
+        if not isinstance(p, nn.Parameter) or type(p.data) is not Tensor:
+            raise ValueError(f"Parameter {name!r} is a {type(p.data).__name__}: shard_by_owner needs plain "
+                             "tensors (call it before fully_shard).")
+        if not p.is_contiguous() or p.storage_offset() or p.untyped_storage().nbytes() != _storage_bytes(p):
+            raise ValueError(f"Parameter {name!r} shares its storage with other tensors; shard_by_owner "
+                             "frees and refills whole storages.")
+        if p.ndim < 2:
+            raise ValueError(f"Parameter {name!r} has shape {tuple(p.shape)}; only matrices are owner-sharded.")
+    managed = {id(p): n for n, p in chosen}
+    grouped = _default_layers(model, managed, layers)
+    ordered = [(n, p) for _, _, members in grouped for n, p in members]
+    size = dist.get_world_size(group) if group is not None else 1
+    flops = []
+    for _, p in ordered:
+        count, m, n = matrix_shape(p.shape, "auto")
+        config = resolve_config((m, n), p.device.type)
+        flops.append(count * newton_schulz_flops(m, n, steps=config.steps, method=config.method,
+                                                 restarts=config.restarts))
+    positions = plan_ownership([n for n, _ in ordered], flops, [_storage_bytes(p) for _, p in ordered], size)
+    rest = [p for n, p in named.values() if p.requires_grad and id(p) not in managed] if replicate_rest else []
+    sharding = OwnerSharding(model, ordered, [_Layer(*g) for g in grouped], positions, group,
+                             reshard_after_forward, rest)
+    sharding._install(sync_module_states)
+    return sharding

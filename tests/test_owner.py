@@ -1,0 +1,221 @@
+"""Owner-sharded data parallel (``dmuon.shard_by_owner``), on real gloo ranks at world sizes 1–4:
+end-to-end parity with one process (Z2, Z3, gradient accumulation, composed with FSDP2), the
+exact bytes per step, identical parameters before every forward, memory per rank as planned,
+ranks that own nothing, and the errors. Checkpoints across world sizes: tests/test_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dmuon
+from dmuon.layout import owned_by
+from dmuon.models import Llama, SyntheticTokens, get_config
+from tests.distributed import run_on_ranks
+from tests.test_training_parity import GLOBAL_BATCH, HPARAMS, SEQ_LEN, STEPS, train as train_reference
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (gradients may share one buffer)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def muon_bytes(model: nn.Module, sharding: dmuon.OwnerSharding) -> int:
+    return sum(p.numel() * p.element_size() for p in sharding.params)
+
+
+def train_owner(reshard_after_forward: bool = False, accumulate: int = 1, with_fsdp: bool = False) -> dict:
+    """The tiny Llama of the parity tests, its Muon matrices owner-sharded, the data split across
+    ranks (and, with ``accumulate``, each rank's share into micro-batches)."""
+    config = get_config("tiny")
+    model = Llama(config, seed=0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sharding = dmuon.shard_by_owner(model, layers=model.layers, reshard_after_forward=reshard_after_forward,
+                                    replicate_rest=not with_fsdp)
+    if with_fsdp:
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=set(sharding.params))
+        fully_shard(model, mesh=mesh, ignored_params=set(sharding.params))
+    opt = dmuon.Muon(model, **HPARAMS)
+
+    seen_before_forward: list[torch.Tensor] = []  # every block's parameters, as each forward saw them
+    for layer in model.layers:  # registered after the sharding's hooks, so they see what forward sees
+        layer.register_forward_pre_hook(lambda m, args: seen_before_forward.append(
+            torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone()))
+
+    data = SyntheticTokens(config.vocab_size, seed=0)
+    losses, step_bytes = [], []
+    for step in range(STEPS):
+        inputs, targets = data.local_batch(step, GLOBAL_BATCH, SEQ_LEN, rank, world)
+        opt.zero_grad()
+        total = torch.zeros(())
+        for micro, (x, y) in enumerate(zip(inputs.chunk(accumulate), targets.chunk(accumulate))):
+            last = micro == accumulate - 1
+            with contextlib.nullcontext() if last else sharding.no_sync():
+                loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) / accumulate
+                loss.backward()
+            total += loss.detach()
+        step_bytes.append(sharding.last_step_bytes)
+        opt.step()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+
+    mine = [p for p in sharding.params if sharding.is_mine(p)]
+    memory = dict(
+        weights=storage_bytes(sharding.params),
+        grads=storage_bytes([p.grad for p in sharding.params if p.grad is not None]),
+        momentum=storage_bytes([opt.state[p]["momentum_buffer"] for p in mine]),
+        predicted=sharding.owned_bytes(rank),
+        per_rank=[sharding.owned_bytes(r) for r in range(world)],
+    )
+    params = {}
+    for name, p in model.named_parameters():
+        owned = owned_by(p)
+        if owned is None:
+            value = p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        else:
+            value = p.detach().clone() if owned.is_mine else torch.empty(p.shape, dtype=p.dtype)
+            dist.broadcast(value, src=owned.owner)
+        params[name] = value
+    return dict(losses=losses, params=params, step_bytes=step_bytes, muon_bytes=muon_bytes(model, sharding),
+                seen=seen_before_forward, memory=memory, owners=sorted(set(sharding.owners.values())))
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    torch.set_num_threads(1)
+    return train_reference(None)
+
+
+@pytest.mark.parametrize("world,z3,accumulate,with_fsdp", [
+    (1, False, 1, False), (2, False, 1, False), (2, True, 1, False), (3, False, 1, False),
+    (3, True, 1, False), (4, False, 1, False), (4, True, 1, False),
+    (2, False, 3, False), (3, True, 2, False),  # gradient accumulation, Z2 and Z3
+    (2, False, 1, True), (3, True, 1, True),  # the rest of the model under FSDP2
+])
+def test_owner_sharded_training_matches_single_process(reference, world, z3, accumulate, with_fsdp):
+    results = run_on_ranks(world, train_owner, z3, accumulate, with_fsdp)
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-6)
+        assert r["params"].keys() == reference["params"].keys()
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=1e-4, atol=1e-5, msg=name)
+            assert torch.equal(value, results[0]["params"][name]), (rank, name)
+        # every rank ran every forward on bitwise the same parameters
+        assert len(r["seen"]) == len(results[0]["seen"]) == STEPS * accumulate * get_config("tiny").n_layers
+        assert all(torch.equal(a, b) for a, b in zip(r["seen"], results[0]["seen"])), rank
+    assert results[0]["owners"] == list(range(world))  # the work is spread over every rank
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("z3", [False, True])
+def test_bytes_per_step_are_the_lower_bound(world, z3):
+    """Per step, the Muon weights move 2(N−1)/N·P bytes per rank on average (a broadcast in
+    forward, a reduce in backward), or 3(N−1)/N·P with Z3 (a second broadcast in backward)."""
+    results = run_on_ranks(world, train_owner, z3)
+    P = results[0]["muon_bytes"]
+    for step in range(STEPS):
+        per_rank = [r["step_bytes"][step] for r in results]
+        assert sum(per_rank) == (3 if z3 else 2) * (world - 1) * P, (step, per_rank)  # the mean times N
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_memory_per_rank_is_the_planned_balance(world):
+    """Between steps each rank keeps whole weights, gradients and momentum of exactly the
+    matrices it owns (nothing of the others), as the plan predicts; the plan is balanced."""
+    results = run_on_ranks(world, train_owner)
+    for rank, r in enumerate(results):
+        m = r["memory"]
+        assert m["weights"] == m["grads"] == m["momentum"] == m["predicted"] > 0, (rank, m)
+    per_rank = results[0]["memory"]["per_rank"]
+    assert sum(per_rank) == results[0]["muon_bytes"]
+    # LPT over 14 matrices of 2 shapes: within one largest matrix of perfect balance
+    largest = 4 * 64 * 128  # the tiny model's MLP matrices, fp32
+    assert max(per_rank) - min(per_rank) <= largest, per_rank
+
+
+# ------------------------------------------------------------------ fewer matrices than ranks
+
+
+def small_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 16))
+
+
+def train_small(parallel: bool, steps: int = 3) -> dict:
+    """Two Muon matrices (biases go to AdamW) on up to four ranks: some ranks own nothing."""
+    model = small_mlp()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if parallel else (0, 1)
+    sharding = dmuon.shard_by_owner(model) if parallel else None
+    opt = dmuon.Muon(model, lr=0.05, ns_method="standard", ns_dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(12, 16, generator=generator)
+        opt.zero_grad()
+        F.mse_loss(model(x.chunk(world)[rank]), x.chunk(world)[rank].flip(1)).backward()
+        opt.step()
+    owned = [sharding.is_mine(p) for p in sharding.params] if parallel else []
+    osd = get_optimizer_state_dict(model, opt) if parallel else None  # must not hang on an idle rank
+    params = {}
+    for name, p in model.named_parameters():
+        if parallel and owned_by(p) is not None:
+            value = p.detach().clone() if owned_by(p).is_mine else torch.empty(p.shape)
+            dist.broadcast(value, src=owned_by(p).owner)
+        else:
+            value = p.detach().clone()
+        params[name] = value
+    return dict(params=params, owned=owned, state_keys=sorted(osd["state"]) if osd else None)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_ranks_that_own_nothing(world):
+    reference = train_small(False)
+    results = run_on_ranks(world, train_small, True)
+    assert sum(not any(r["owned"]) for r in results) == world - 2  # two matrices, two owners
+    for r in results:
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-6, msg=name)
+        assert r["state_keys"] == results[0]["state_keys"]  # every rank names every parameter
+
+
+# ------------------------------------------------------------------ errors
+
+
+def shard_after_fully_shard() -> str:
+    model = small_mlp()
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    try:
+        dmuon.shard_by_owner(model)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_sharding_an_fsdp_model_names_the_parameter():
+    for message in run_on_ranks(2, shard_after_fully_shard):
+        assert "'0.weight'" in message and "before fully_shard" in message
+
+
+def test_bad_arguments_are_named():
+    model = small_mlp()
+    with pytest.raises(TypeError, match="nn.Module"):
+        dmuon.shard_by_owner([model])
+    with pytest.raises(ValueError, match=r"shape \(3, 3\) in params is not a parameter of the model"):
+        dmuon.shard_by_owner(model, params=[nn.Parameter(torch.zeros(3, 3))])
+    with pytest.raises(ValueError, match="not part of the model"):
+        dmuon.shard_by_owner(model, layers=[nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="'0.bias' has shape"):
+        dmuon.shard_by_owner(model, params=[model[0].bias])
+    with pytest.raises(ValueError, match="in two layers"):
+        dmuon.shard_by_owner(model, layers=[model, model[0]])
