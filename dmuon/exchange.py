@@ -73,8 +73,16 @@ def all_reduce_max(values: Tensor, group: dist.ProcessGroup | None, counter: Com
     return values
 
 
-def gather_objects(obj: object, group: dist.ProcessGroup) -> list[object]:
-    """Every rank's ``obj`` (used once, at construction, to compare configurations)."""
-    out: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def check_ranks_agree(fingerprint: dict[str, str], group: dist.ProcessGroup, what: str) -> None:
+    """Raise the same ValueError on every rank of ``group`` if any rank's ``fingerprint`` differs
+    from rank 0's, naming the first differing key (one collective; run before any other)."""
+    everyone: list[dict[str, str]] = [{} for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(everyone, fingerprint, group=group)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):  # the same verdict on every rank
+        for key in sorted(set(first) | set(theirs)):
+            if first.get(key) != theirs.get(key):
+                raise ValueError(
+                    f"Ranks disagree on the {what}: {key} is {first.get(key)} on rank 0 but "
+                    f"{theirs.get(key)} on rank {rank}."
+                )

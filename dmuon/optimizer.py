@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_update
 
 from dmuon.engine import MatrixWork, Orthogonalizer, StepStats, unit_of
-from dmuon.exchange import all_reduce_max, gather_objects
+from dmuon.exchange import all_reduce_max, check_ranks_agree
 from dmuon.layout import detect_layout, owned_by
 from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, resolve_config
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, split_replicas_is_cheaper
@@ -419,15 +419,7 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] == "muon":
                 fingerprint[f"param group {g} names"] = repr(group.get("param_names"))
                 fingerprint[f"param group {g} shapes"] = repr([tuple(p.shape) for p in group["params"]])
-        everyone = gather_objects(fingerprint, self._process_group or dist.group.WORLD)
-        first = everyone[0]
-        for rank, theirs in enumerate(everyone[1:], start=1):  # the same verdict on every rank
-            for key in sorted(set(first) | set(theirs)):
-                if first.get(key) != theirs.get(key):
-                    raise ValueError(
-                        f"Ranks disagree on the optimizer configuration: {key} is {first.get(key)} "
-                        f"on rank 0 but {theirs.get(key)} on rank {rank}."
-                    )
+        check_ranks_agree(fingerprint, self._process_group or dist.group.WORLD, "optimizer configuration")
 
     # ------------------------------------------------------------------ step
 

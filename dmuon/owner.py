@@ -45,11 +45,27 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dmuon.exchange import CommCounter
+from dmuon.exchange import CommCounter, check_ranks_agree
 from dmuon.layout import OwnedParam, mark_owned
 from dmuon.orthogonalization import newton_schulz_flops, resolve_config
 from dmuon.planner import plan_ownership
 from dmuon.routing import default_route, matrix_shape, module_roles
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups owner sharding runs on. ``shard``: the ranks among which each matrix has
+    one owner (None: a single rank); ``replica``: with HSDP, this rank's replica group — the
+    ranks at the same shard position in each replica (None without replicas); ``everyone``: all
+    of them (replicated parameters and the initial sync)."""
+
+    shard: dist.ProcessGroup | None
+    replica: dist.ProcessGroup | None = None
+    everyone: dist.ProcessGroup | None = None
+
+    @property
+    def replicas(self) -> int:
+        return dist.get_world_size(self.replica) if self.replica is not None else 1
 
 
 @dataclass
@@ -61,6 +77,7 @@ class _Layer:
     params: list[tuple[str, nn.Parameter]]
     valid_version: int = -1  # the weights' version the local copies hold; -1: freed
     pending: list = field(default_factory=list)  # broadcasts in flight
+    replica_pending: list = field(default_factory=list)  # HSDP: updated weights coming from replica 0
     ready: set[int] = field(default_factory=set)  # ids of parameters whose gradient is ready
 
     def by_owner(self, owners: dict[int, int]) -> dict[tuple[int, torch.dtype], list[nn.Parameter]]:
@@ -100,7 +117,7 @@ def _tensors(value: object) -> Iterator[Tensor]:
 class OwnerSharding:
     """The owner-sharded parameters of one model and the hooks that move them; made by
     :func:`shard_by_owner`. Attributes: ``params`` (the owner-sharded parameters), ``owners``
-    (name → owner's global rank), ``last_step_bytes`` (bytes this rank sent for them in the last
+    (name → the global rank that steps it), ``last_step_bytes`` (bytes this rank sent for them in the last
     forward+backward: broadcasts counted at the source once per receiver, reduces at each
     sender), ``rest_bytes`` (the same for the replicated rest)."""
 
@@ -109,20 +126,24 @@ class OwnerSharding:
         model: nn.Module,
         named_params: list[tuple[str, nn.Parameter]],
         layers: list[_Layer],
-        positions: list[int],
-        group: dist.ProcessGroup | None,
+        holders: list[int],
+        owners: list[int],
+        groups: Groups,
         reshard_after_forward: bool,
         rest: list[nn.Parameter],
     ) -> None:
         self.model = model
-        self.group = group
-        self.size = dist.get_world_size(group) if group is not None else 1
+        self.groups = groups
+        self.group = groups.shard
+        self.size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.reshard_after_forward = reshard_after_forward
         self.params = [p for _, p in named_params]
-        owners = [self._global(q) for q in positions]
-        self.owners = {name: owner for (name, _), owner in zip(named_params, owners)}
-        self._owner_of = {id(p): owner for (_, p), owner in zip(named_params, owners)}
+        # _holder_of: the rank of this replica that keeps the weight and gathers its gradient;
+        # _owner_of: the rank that steps it (the holder in replica 0; the same without replicas)
+        self._holder_of = {id(p): rank for (_, p), rank in zip(named_params, holders)}
+        self._owner_of = {id(p): rank for (_, p), rank in zip(named_params, owners)}
+        self.owners = {name: self._owner_of[id(p)] for name, p in named_params}
         self._layers = layers
         self._rest = rest
         self._version = 0
@@ -133,6 +154,7 @@ class OwnerSharding:
         self._layers_done = 0
         self._rest_ready: set[int] = set()
         self._backward_seen = False
+        self._replicas_stale = False
         self._not_missing: set[str] = set()  # state-dict keys the owners load, not this rank
         self.counter = CommCounter()
         self.rest_counter = CommCounter()
@@ -145,54 +167,75 @@ class OwnerSharding:
     # ------------------------------------------------------------------ queries
 
     def is_mine(self, param: Tensor) -> bool:
+        """Whether this rank steps ``param`` (and keeps its optimizer state)."""
         return self._owner_of[id(param)] == self.rank
 
-    def owned_bytes(self, rank: int) -> int:
-        """Bytes of weights ``rank`` keeps between steps (its gradients and Muon momentum take
-        the same again each): the planner's memory balance."""
-        return sum(_storage_bytes(p) for p in self.params if self._owner_of[id(p)] == rank)
+    def _holds(self, param: Tensor) -> bool:
+        return self._holder_of[id(param)] == self.rank
 
-    def _global(self, position: int) -> int:
-        return dist.get_global_rank(self.group, position) if self.group is not None else self.rank
+    def owned_bytes(self, rank: int) -> int:
+        """Bytes of weights ``rank`` (of this rank's shard group) keeps between steps; its
+        gradients and Muon momentum take the same again each: the planner's memory balance."""
+        return sum(_storage_bytes(p) for p in self.params if self._holder_of[id(p)] == rank)
 
     # ------------------------------------------------------------------ forward
+
+    def _broadcast(self, members: list[nn.Parameter], src: int, group: dist.ProcessGroup) -> tuple:
+        """Start one broadcast of ``members``' weights from ``src`` over ``group``."""
+        sending = src == self.rank
+        if len(members) == 1:  # straight into (or out of) the parameter: no copy
+            flat = members[0].data.reshape(-1)
+        elif sending:
+            flat = torch.cat([p.data.reshape(-1) for p in members])
+        else:
+            flat = torch.empty(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
+        if sending:
+            self.counter.bytes_sent += flat.numel() * flat.element_size() * (dist.get_world_size(group) - 1)
+        self.counter.collectives += 1
+        return sending, members, flat, dist.broadcast(flat, src=src, group=group, async_op=True)
+
+    @staticmethod
+    def _receive(pending: list[tuple]) -> None:
+        for sending, members, flat, work in pending:
+            work.wait()
+            if not sending and len(members) > 1:
+                for p, piece in zip(members, flat.split([p.numel() for p in members])):
+                    p.data.copy_(piece.view_as(p))  # through .data: autograd's version counter is not bumped
+
+    def _start_replica_broadcasts(self) -> None:
+        """HSDP: the weights replica 0's owners just updated go to the holders in the other
+        replicas, every layer at once, so they travel while the forward begins."""
+        self._replicas_stale = False
+        for layer in self._layers:
+            for (holder, _), members in layer.by_owner(self._holder_of).items():
+                if holder == self.rank:
+                    layer.replica_pending.append(self._broadcast(members, self._owner_of[id(members[0])],
+                                                                 self.groups.replica))
 
     def _start_broadcast(self, layer: _Layer) -> None:
         if layer.pending or layer.valid_version == self._version:
             return
-        for (owner, _), members in layer.by_owner(self._owner_of).items():
-            mine = owner == self.rank
-            if not mine:
+        if self._replicas_stale:
+            self._start_replica_broadcasts()
+        self._receive(layer.replica_pending)  # a holder sends only what it has received
+        layer.replica_pending = []
+        for (holder, _), members in layer.by_owner(self._holder_of).items():
+            if holder != self.rank:
                 for p in members:
                     _allocate(p)
-            if self.group is None:
-                continue
-            if len(members) == 1:  # straight into (or out of) the parameter: no copy
-                flat = members[0].data.reshape(-1)
-            elif mine:
-                flat = torch.cat([p.data.reshape(-1) for p in members])
-            else:
-                flat = torch.empty(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
-            if mine:
-                self.counter.bytes_sent += flat.numel() * flat.element_size() * (self.size - 1)
-            self.counter.collectives += 1
-            work = dist.broadcast(flat, src=owner, group=self.group, async_op=True)
-            layer.pending.append((mine, members, flat, work))
+            if self.group is not None:
+                layer.pending.append(self._broadcast(members, holder, self.group))
 
     def _materialize(self, layer: _Layer) -> None:
         self._start_broadcast(layer)
-        for mine, members, flat, work in layer.pending:
-            work.wait()
-            if not mine and len(members) > 1:
-                for p, piece in zip(members, flat.split([p.numel() for p in members])):
-                    p.data.copy_(piece.view_as(p))  # through .data: autograd's version counter is not bumped
+        self._receive(layer.pending)
         layer.pending = []
         layer.valid_version = self._version
 
     def _release(self, layer: _Layer) -> None:
         """Free the copies of the layer's weights this rank does not own."""
         for _, p in layer.params:
-            if not self.is_mine(p):
+            if not self._holds(p):
                 _free(p)
         layer.valid_version = -1
 
@@ -243,30 +286,34 @@ class OwnerSharding:
 
     def _layer_backward_done(self, layer: _Layer) -> None:
         if self._sync:
-            for (owner, _), members in layer.by_owner(self._owner_of).items():
+            for (holder, _), members in layer.by_owner(self._holder_of).items():
                 with_grad = [p for p in members if p.grad is not None]
-                if not with_grad:
-                    continue
-                flat = torch.cat([p.grad.reshape(-1) for p in with_grad])
-                if self.group is not None:
-                    if owner != self.rank:
-                        self.counter.bytes_sent += flat.numel() * flat.element_size()
-                        for p in with_grad:
-                            p.grad = None  # the flat copy is what travels; keep no second one
-                    self.counter.collectives += 1
-                    work = dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-                else:
-                    work = None
-                self._reduces.append((owner, with_grad, flat, work))
+                if with_grad:
+                    self._reduces.append((holder, with_grad, *self._reduce(with_grad, holder, self.group)))
         layer.ready.clear()
         self._release(layer)
         self._layers_done += 1
 
+    def _reduce(self, members: list[nn.Parameter], dst: int, group: dist.ProcessGroup | None,
+                flat: Tensor | None = None) -> tuple[Tensor, dist.Work | None]:
+        """Start summing ``members``' gradients (or ``flat``) onto ``dst``; elsewhere they are
+        dropped, since the flat copy is what travels."""
+        if flat is None:
+            flat = torch.cat([p.grad.reshape(-1) for p in members])
+        if group is None:
+            return flat, None
+        if dst != self.rank:
+            self.counter.bytes_sent += flat.numel() * flat.element_size()
+            for p in members:
+                p.grad = None
+        self.counter.collectives += 1
+        return flat, dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
     def _rest_gradient_ready(self, param: nn.Parameter) -> None:
-        if self._sync and self.group is not None:
+        if self._sync and self.groups.everyone is not None:
             self.rest_counter.bytes_sent += param.grad.numel() * param.grad.element_size()
             self.rest_counter.collectives += 1
-            work = dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.groups.everyone, async_op=True)
             self._rest_reduces.append((param, work))
         self._backward_seen = True
         self._rest_ready.add(id(param))
@@ -287,16 +334,26 @@ class OwnerSharding:
         for layer in self._layers:
             if layer.ready:  # some of its parameters got gradients, others none
                 self._layer_backward_done(layer)
-        for owner, members, flat, work in self._reduces:
+        gathered = []
+        for holder, members, flat, work in self._reduces:
             if work is not None:
                 work.wait()
-            if owner == self.rank:
-                flat.div_(self.size)
+            if holder != self.rank:
+                continue
+            if self.groups.replica is not None:  # HSDP: the replicas' sums meet at replica 0
+                flat, work = self._reduce(members, self._owner_of[id(members[0])], self.groups.replica, flat)
+            gathered.append((members, flat, work))
+        everyone = self.size * self.groups.replicas
+        for members, flat, work in gathered:
+            if work is not None:
+                work.wait()
+            if self.is_mine(members[0]):
+                flat.div_(everyone)
                 for p, piece in zip(members, flat.split([p.numel() for p in members])):
                     p.grad = piece.view_as(p)
         for p, work in self._rest_reduces:
             work.wait()
-            p.grad.div_(self.size)
+            p.grad.div_(everyone)
         self._reduces, self._rest_reduces = [], []
         self._layers_done, self._rest_ready = 0, set()
         self.last_step_bytes, self.rest_bytes = self.counter.bytes_sent, self.rest_counter.bytes_sent
@@ -316,6 +373,7 @@ class OwnerSharding:
     def weights_changed(self) -> None:
         """The owners' weights changed (an optimizer step, a load): local copies are stale."""
         self._version += 1
+        self._replicas_stale = self.groups.replica is not None
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -359,9 +417,10 @@ class OwnerSharding:
                 partial(OwnerSharding._skip_unowned_on_load, self)))
             self._handles.append(module.register_load_state_dict_post_hook(partial(OwnerSharding._forgive_unowned, self)))
         with torch.no_grad():
-            if sync_module_states and self.group is not None:
+            everyone = self.groups.everyone
+            if sync_module_states and everyone is not None:
                 for p in self.params + self._rest:  # rank 0's initial values everywhere, as DDP does
-                    dist.broadcast(p.data, src=self._global(0), group=self.group)
+                    dist.broadcast(p.data, src=dist.get_global_rank(everyone, 0), group=everyone)
             for layer in self._layers:
                 self._release(layer)
 
@@ -399,20 +458,31 @@ def _default_layers(model: nn.Module, managed: dict[int, str], layers: Iterable[
     return out
 
 
-def _group_of(mesh_or_group) -> dist.ProcessGroup | None:
+def _groups_and_ranks(mesh_or_group) -> tuple[Groups, list[int], list[int]]:
+    """The groups, and per shard position the global rank of the holder in this rank's replica
+    and of the owner (the holder in replica 0)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if mesh_or_group is None:
-        group = dist.group.WORLD
-    elif isinstance(mesh_or_group, dist.ProcessGroup):
-        group = mesh_or_group
-    elif getattr(mesh_or_group, "ndim", None) == 1:
-        group = mesh_or_group.get_group(0)
-    else:
-        raise NotImplementedError(
-            f"shard_by_owner takes a process group or a 1-D DeviceMesh, got {mesh_or_group!r}."
-        )
-    return group if dist.get_world_size(group) > 1 else None  # one rank: nothing to move
+        return Groups(None), [0], [0]
+    if mesh_or_group is None or isinstance(mesh_or_group, dist.ProcessGroup):
+        group = mesh_or_group or dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        if len(ranks) == 1:  # one rank: nothing to move
+            return Groups(None), ranks, ranks
+        return Groups(group, None, group), ranks, ranks
+    ndim = getattr(mesh_or_group, "ndim", None)
+    if ndim == 1:
+        return _groups_and_ranks(mesh_or_group.get_group(0))
+    if ndim == 2 and mesh_or_group.size(0) == 1:
+        return _groups_and_ranks(mesh_or_group.get_group(1))
+    if ndim == 2:  # HSDP: (replicate, shard)
+        table = mesh_or_group.mesh.tolist()
+        if sorted(r for row in table for r in row) != list(range(dist.get_world_size())):
+            raise NotImplementedError("shard_by_owner takes a 2-D mesh only when it spans all ranks.")
+        shard, replica = mesh_or_group.get_group(1), mesh_or_group.get_group(0)
+        return Groups(shard, replica, dist.group.WORLD), dist.get_process_group_ranks(shard), table[0]
+    raise NotImplementedError(
+        f"shard_by_owner takes a process group, or a 1-D or 2-D (replicate, shard) DeviceMesh; got {mesh_or_group!r}."
+    )
 
 
 def shard_by_owner(
@@ -427,7 +497,10 @@ def shard_by_owner(
 ) -> OwnerSharding:
     """Store each Muon weight matrix of ``model`` whole on one owner rank (module docstring).
 
-    ``mesh_or_group``: a 1-D DeviceMesh or a process group (default: the world).
+    ``mesh_or_group``: a process group or 1-D DeviceMesh (default: the world), or a 2-D
+    (replicate, shard) mesh for HSDP: each replica holds every matrix once among its shard ranks;
+    gradients are reduced within the replica, then to replica 0's holder, which alone steps; the
+    updated weight goes back to the other replicas' holders at the start of the next forward.
     ``reshard_after_forward``: False keeps broadcast weights until backward ("Z2"); True frees
     them after forward and broadcasts again in backward ("Z3").
     ``layers``: modules whose owner-sharded parameters move together (one broadcast per owner per
@@ -441,7 +514,7 @@ def shard_by_owner(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard_by_owner takes an nn.Module, not a {type(model).__name__}.")
-    group = _group_of(mesh_or_group)
+    groups, holder_ranks, owner_ranks = _groups_and_ranks(mesh_or_group)
     named = dict((id(p), (n, p)) for n, p in model.named_parameters())
     if params is None:
         roles = module_roles(model)
@@ -465,7 +538,7 @@ def shard_by_owner(
     managed = {id(p): n for n, p in chosen}
     grouped = _default_layers(model, managed, layers)
     ordered = [(n, p) for _, _, members in grouped for n, p in members]
-    size = dist.get_world_size(group) if group is not None else 1
+    size = len(holder_ranks)
     flops = []
     for _, p in ordered:
         count, m, n = matrix_shape(p.shape, "auto")
@@ -474,7 +547,13 @@ def shard_by_owner(
                                                  restarts=config.restarts))
     positions = plan_ownership([n for n, _ in ordered], flops, [_storage_bytes(p) for _, p in ordered], size)
     rest = [p for n, p in named.values() if p.requires_grad and id(p) not in managed] if replicate_rest else []
-    sharding = OwnerSharding(model, ordered, [_Layer(*g) for g in grouped], positions, group,
-                             reshard_after_forward, rest)
+    if groups.everyone is not None:  # before any data moves: every rank must shard the same model alike
+        fingerprint = {f"owner-sharded parameter {name!r}": f"{tuple(p.shape)} {p.dtype} in layer {layer}"
+                       for layer, _, members in grouped for name, p in members}
+        rest_ids = {id(p) for p in rest}
+        fingerprint["options"] = repr((reshard_after_forward, [n for n, p in named.values() if id(p) in rest_ids]))
+        check_ranks_agree(fingerprint, groups.everyone, "owner sharding")
+    sharding = OwnerSharding(model, ordered, [_Layer(*g) for g in grouped], [holder_ranks[q] for q in positions],
+                             [owner_ranks[q] for q in positions], groups, reshard_after_forward, rest)
     sharding._install(sync_module_states)
     return sharding

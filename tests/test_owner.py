@@ -34,16 +34,19 @@ def muon_bytes(model: nn.Module, sharding: dmuon.OwnerSharding) -> int:
     return sum(p.numel() * p.element_size() for p in sharding.params)
 
 
-def train_owner(reshard_after_forward: bool = False, accumulate: int = 1, with_fsdp: bool = False) -> dict:
+def train_owner(reshard_after_forward: bool = False, accumulate: int = 1, with_fsdp: bool = False,
+                hsdp: bool = False) -> dict:
     """The tiny Llama of the parity tests, its Muon matrices owner-sharded, the data split across
-    ranks (and, with ``accumulate``, each rank's share into micro-batches)."""
+    ranks (and, with ``accumulate``, each rank's share into micro-batches); ``hsdp``: on a 2×N/2
+    (replicate, shard) mesh."""
     config = get_config("tiny")
     model = Llama(config, seed=0)
     rank, world = dist.get_rank(), dist.get_world_size()
-    sharding = dmuon.shard_by_owner(model, layers=model.layers, reshard_after_forward=reshard_after_forward,
+    mesh = init_device_mesh("cpu", (2, world // 2) if hsdp else (world,),
+                            mesh_dim_names=("replicate", "shard") if hsdp else ("shard",))
+    sharding = dmuon.shard_by_owner(model, mesh, layers=model.layers, reshard_after_forward=reshard_after_forward,
                                     replicate_rest=not with_fsdp)
     if with_fsdp:
-        mesh = init_device_mesh("cpu", (world,))
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, ignored_params=set(sharding.params))
         fully_shard(model, mesh=mesh, ignored_params=set(sharding.params))
@@ -55,6 +58,7 @@ def train_owner(reshard_after_forward: bool = False, accumulate: int = 1, with_f
             torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone()))
 
     data = SyntheticTokens(config.vocab_size, seed=0)
+    assert GLOBAL_BATCH // world % accumulate == 0, "equal micro-batches, or their mean is not the batch's"
     losses, step_bytes = [], []
     for step in range(STEPS):
         inputs, targets = data.local_batch(step, GLOBAL_BATCH, SEQ_LEN, rank, world)
@@ -105,7 +109,26 @@ def reference() -> dict:
     (2, False, 1, True), (3, True, 1, True),  # the rest of the model under FSDP2
 ])
 def test_owner_sharded_training_matches_single_process(reference, world, z3, accumulate, with_fsdp):
-    results = run_on_ranks(world, train_owner, z3, accumulate, with_fsdp)
+    check_parity(reference, run_on_ranks(world, train_owner, z3, accumulate, with_fsdp), accumulate)
+    # the work is spread over every rank
+
+
+@pytest.mark.parametrize("z3,accumulate,with_fsdp", [(False, 1, False), (True, 3, False), (False, 1, True)])
+def test_hsdp_2x2_matches_single_process(reference, z3, accumulate, with_fsdp):
+    """Two replicas of two shards: each replica holds every matrix once; replica 0's holders step."""
+    results = run_on_ranks(4, train_owner, z3, accumulate, with_fsdp, True)
+    check_parity(reference, results, accumulate, owners=[0, 1])
+    if accumulate == 1:
+        # per step: each replica's broadcasts and reduces (Z2: 2(S−1)·P, Z3: 3(S−1)·P), and the
+        # gradient to replica 0 plus — from the second step on — the updated weight back: (R−1)·P each
+        P, per_replica = results[0]["muon_bytes"], (3 if z3 else 2) * (2 - 1) * results[0]["muon_bytes"]
+        for step in range(STEPS):
+            expected = 2 * per_replica + (1 if step == 0 else 2) * (2 - 1) * P
+            assert sum(r["step_bytes"][step] for r in results) == expected, step
+
+
+def check_parity(reference: dict, results: list[dict], accumulate: int, owners: list[int] | None = None) -> None:
+    world = len(results)
     for rank, r in enumerate(results):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-6)
         assert r["params"].keys() == reference["params"].keys()
@@ -115,7 +138,7 @@ def test_owner_sharded_training_matches_single_process(reference, world, z3, acc
         # every rank ran every forward on bitwise the same parameters
         assert len(r["seen"]) == len(results[0]["seen"]) == STEPS * accumulate * get_config("tiny").n_layers
         assert all(torch.equal(a, b) for a, b in zip(r["seen"], results[0]["seen"])), rank
-    assert results[0]["owners"] == list(range(world))  # the work is spread over every rank
+    assert results[0]["owners"] == (owners or list(range(world)))  # the work is spread over every rank
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -205,6 +228,22 @@ def shard_after_fully_shard() -> str:
 def test_sharding_an_fsdp_model_names_the_parameter():
     for message in run_on_ranks(2, shard_after_fully_shard):
         assert "'0.weight'" in message and "before fully_shard" in message
+
+
+def shard_differently() -> str:
+    model = nn.Sequential(nn.Linear(16, 24 + dist.get_rank() % 2), nn.Tanh(), nn.Linear(24 + dist.get_rank() % 2, 16))
+    try:
+        dmuon.shard_by_owner(model)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_that_disagree_get_the_same_error_before_any_data_moves():
+    messages = run_on_ranks(3, shard_differently)
+    assert len(set(messages)) == 1, messages
+    assert "Ranks disagree on the owner sharding: owner-sharded parameter '0.weight'" in messages[0]
+    assert "(24, 16)" in messages[0] and "(25, 16)" in messages[0] and "rank 1" in messages[0]
 
 
 def test_bad_arguments_are_named():
