@@ -9,6 +9,9 @@ Every configuration trains the same model from the same weights on the same batc
     fsdp-torch-muon  FSDP2 + torch.optim.Muon (Newton–Schulz on sharded DTensors)
     ddp-dmuon        DDP + dmuon.Muon
     fsdp-dmuon       FSDP2 + dmuon.Muon
+    ownerz2-dmuon    dmuon.shard_by_owner (Muon matrices whole on their owners, kept from forward
+                     to backward) + FSDP2 for the rest + dmuon.Muon
+    ownerz3-dmuon    the same, re-broadcasting the matrices in backward (less memory)
 
 With ``--peers``, every other distributed Muon implementation that is installed (``pip install
 'dmuon[peers]'``; see :mod:`dmuon.peers`) joins as ``<ddp|fsdp>-<package>`` for the modes it
@@ -17,8 +20,10 @@ supports; the ones that are not installed are listed with the reason.
 Each configuration runs in freshly spawned ranks, so that its peak memory is its own: "peak
 mem" is the largest rise of a rank's resident memory (CPU; sampled every 2 ms) or of its
 allocated device memory (CUDA) over what the rank held before building the model. Times are
-medians over the measured steps of the slowest rank; "bytes/step" is what dmuon.Muon's own
-collectives sent, averaged over ranks (the other optimizers' traffic is not counted).
+medians over the measured steps of the slowest rank; "bytes/step" is what dmuon's own collectives
+sent, averaged over ranks: dmuon.Muon's exchange, and for the owner modes the broadcasts and
+reduces of the owner-sharded matrices (DDP's and FSDP2's traffic is not counted). The owner modes
+are compared with the FSDP2 configurations.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -43,8 +49,12 @@ from torch.nn.parallel import DistributedDataParallel
 from dmuon.demo import CONFIGS as OPTIMIZERS
 from dmuon.demo import report_progress
 from dmuon.models import PRESETS, Llama, SyntheticTokens, get_config
+from dmuon.owner import OwnerSharding, shard_by_owner
 
-CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon")
+CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon",
+           "ownerz2-dmuon", "ownerz3-dmuon")
+# What each data-parallel mode is compared with (AdamW and vanilla Muon of that mode).
+BASELINE_MODE = {"ddp": "ddp", "fsdp": "fsdp", "ownerz2": "fsdp", "ownerz3": "fsdp"}
 
 
 @dataclass(frozen=True)
@@ -96,13 +106,19 @@ class PeakMemory:
         return self.peak - self.baseline
 
 
-def _wrap(model: Llama, parallel: str, world: int, device: torch.device):
+def _wrap(model: Llama, parallel: str, world: int, device: torch.device) -> tuple[nn.Module, OwnerSharding | None]:
+    """The model under ``parallel``, and its owner sharding if it has one."""
     if parallel == "ddp":
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None), None
     mesh = init_device_mesh(device.type, (world,))
+    sharding, ignored = None, None
+    if parallel.startswith("owner"):
+        sharding = shard_by_owner(model, mesh, layers=model.layers, reshard_after_forward=parallel == "ownerz3",
+                                  replicate_rest=False)
+        ignored = set(sharding.params)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, ignored_params=ignored)
+    return fully_shard(model, mesh=mesh, ignored_params=ignored), sharding
 
 
 def _factory(optimizer: str):
@@ -128,7 +144,7 @@ def _train(name: str, args: argparse.Namespace, rank: int, world: int, device: t
     config = get_config(args.preset, **({"n_layers": args.layers} if args.layers else {}))
     memory = PeakMemory(device)
     model = Llama(config, seed=args.seed).to(device)
-    wrapped = _wrap(model, parallel, world, device)
+    wrapped, sharding = _wrap(model, parallel, world, device)
     optimizers = _factory(optimizer)(model, args.lr, args.weight_decay)
     data = SyntheticTokens(config.vocab_size, seed=args.seed)
     opt_times, step_times, losses, sent = [], [], [], []
@@ -152,7 +168,7 @@ def _train(name: str, args: argparse.Namespace, rank: int, world: int, device: t
             opt_times.append(end - opt_start)
             step_times.append(end - start)
             stats = getattr(optimizers[0], "last_step_stats", None)
-            sent.append(stats.bytes_sent if stats is not None else None)
+            sent.append(None if stats is None else stats.bytes_sent + (sharding.last_step_bytes if sharding else 0))
         if rank == 0:
             report_progress(sys.stderr, name, step + 1, args.warmup + args.steps, losses[-1])
     peak = memory.stop()
@@ -212,7 +228,7 @@ def format_table(results: list[BenchResult]) -> str:
               f"{'loss':>7} {'opt/vanilla':>11} {'step/adamw':>10} {'mem/adamw':>9}")
     lines = [header]
     for r in results:
-        parallel = r.config.split("-", 1)[0]
+        parallel = BASELINE_MODE.get(r.config.split("-", 1)[0], r.config.split("-", 1)[0])
         vanilla, adamw = by_name.get(f"{parallel}-torch-muon"), by_name.get(f"{parallel}-adamw")
         opt_ratio = f"{r.opt_step_ms / vanilla.opt_step_ms:.2f}" if vanilla else "-"
         step_ratio = f"{r.step_ms / adamw.step_ms:.2f}" if adamw else "-"

@@ -6,6 +6,7 @@ import json
 
 from dmuon.bench import BenchResult, format_table
 from dmuon.cli import main
+from dmuon.models import get_config, matrix_shapes
 
 
 def test_table_ratios():
@@ -23,10 +24,14 @@ def test_table_ratios():
 def test_tiny_run_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0",
-                 "--configs", "fsdp-adamw,fsdp-dmuon", "--json", str(out)]) == 0
+                 "--configs", "fsdp-adamw,fsdp-dmuon,ownerz2-dmuon", "--json", str(out)]) == 0
     records = json.loads(out.read_text())
-    assert [r["config"] for r in records] == ["fsdp-adamw", "fsdp-dmuon"]
+    assert [r["config"] for r in records] == ["fsdp-adamw", "fsdp-dmuon", "ownerz2-dmuon"]
     assert records[1]["bytes_per_step"] > 0 and records[0]["bytes_per_step"] is None
+    # owner-sharded at 2 ranks: a broadcast and a reduce of the Muon matrices, P bytes per rank,
+    # plus the optimizer's few bytes of agreement flags
+    muon_bytes = 4 * sum(m * n for _, m, n in matrix_shapes(get_config("tiny")))
+    assert muon_bytes <= records[2]["bytes_per_step"] < muon_bytes + 100
     assert all(r["world_size"] == 2 and r["step_ms"] > 0 and r["peak_mem_bytes"] > 0 for r in records)
     assert set(records[0]) == {"config", "world_size", "opt_step_ms", "step_ms", "bytes_per_step",
                                "peak_mem_bytes", "final_loss"}

@@ -373,6 +373,17 @@ def test_owner_sharded_checkpoint_resumes_anywhere(owner_saved_at_4, world, layo
     check_resume(owner_saved_at_4, world, layout)
 
 
+@pytest.fixture(scope="module")
+def plain_saved_at_1(tmp_path_factory) -> tuple[str, dict]:
+    path = str(tmp_path_factory.mktemp("dcp") / "plain1")
+    return path, run_on_ranks(1, save_at_world, path, "plain")[0]
+
+
+def test_single_process_checkpoint_resumes_owner_sharded(plain_saved_at_1):
+    """And back: a checkpoint of single-process training continues owner-sharded at 3 ranks."""
+    check_resume(plain_saved_at_1, 3, "owner")
+
+
 def check_resume(saved: tuple[str, dict], world: int, layout: str) -> None:
     path, ref = saved
     results = run_on_ranks(world, resume_at_world, layout, path)
