@@ -21,6 +21,12 @@ instead (the DMuon paper's "dedicated ownership"), so the optimizer step moves n
 * **step**: :class:`dmuon.Muon` sees that a parameter is owner-sharded and, on its owner only,
   runs momentum, Newton–Schulz and the update locally; other ranks hold no state for it.
 
+**HSDP** (a 2-D (replicate, shard) mesh): each replica holds every matrix once among its shard
+ranks, as above; after the reduce within the replica, the holders' sums go on to the holder in
+replica 0, which alone steps (each matrix is still orthogonalized once in the whole job), and its
+updated weight reaches the other replicas' holders at the start of the next forward, every
+layer's at once, so that it overlaps that forward.
+
 Parameters Muon does not update stay with DDP/FSDP2 (``fully_shard(...,
 ignored_params=sharding.params)``), or, with ``replicate_rest=True`` (the default), are kept
 replicated here: broadcast from rank 0 at setup, gradients all-reduced (averaged) in backward.
@@ -37,9 +43,9 @@ Only public torch APIs are used: module forward hooks, tensor gradient hooks,
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -435,26 +441,27 @@ def _default_layers(model: nn.Module, managed: dict[int, str], layers: Iterable[
     """(name, module, parameters) per layer: each given layer takes the managed parameters inside
     it; the rest go with the module that holds them directly."""
     chosen = list(layers or [])
-    names = {id(m): n for n, m in model.named_modules()}
-    out, placed = [], {}
+    names = {id(m): n or "<model>" for n, m in model.named_modules()}
     for module in chosen:
         if id(module) not in names:
             raise ValueError(f"A module in layers is not part of the model: {type(module).__name__}.")
-    for module in chosen + [m for m in model.modules() if m not in chosen]:
-        direct = module in chosen
+    chosen_ids = {id(m) for m in chosen}
+    out, placed = [], {}
+    for module in chosen + [m for m in model.modules() if id(m) not in chosen_ids]:
+        direct = id(module) in chosen_ids
         members = []
-        params = module.named_parameters() if direct else module.named_parameters(recurse=False)
-        for local_name, p in params:
+        for _, p in module.named_parameters(recurse=direct):
             if id(p) not in managed:
                 continue
             if id(p) in placed:
-                if placed[id(p)] is not module and direct:
-                    raise ValueError(f"Parameter {managed[id(p)]!r} is in two layers: {placed[id(p)]} and {names[id(module)]!r}.")
+                if direct:
+                    raise ValueError(f"Parameter {managed[id(p)]!r} is in two layers: {placed[id(p)]!r} "
+                                     f"and {names[id(module)]!r}.")
                 continue
-            placed[id(p)] = names[id(module)] or "<model>"
+            placed[id(p)] = names[id(module)]
             members.append((managed[id(p)], p))
         if members:
-            out.append((names[id(module)] or "<model>", module, members))
+            out.append((names[id(module)], module, members))
     return out
 
 
