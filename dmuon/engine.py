@@ -17,7 +17,8 @@ updates exist at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -53,12 +54,47 @@ class MatrixWork:
 
 @dataclass
 class StepStats:
-    """What this rank did in the last step's orthogonalization."""
+    """What this rank did in the last step's orthogonalization. Reading it costs nothing and
+    synchronizes nothing, except :attr:`ns_seconds` on CUDA (it waits for the step's last
+    Newton–Schulz kernel)."""
 
     matrices_orthogonalized: int = 0
     ns_flops: int = 0
     bytes_sent: int = 0
     collectives: int = 0
+    # Newton–Schulz time: host seconds on CPU, (start, end) CUDA event pairs on CUDA, read lazily
+    _ns_spans: list = field(default_factory=list)
+
+    @property
+    def ns_seconds(self) -> float:
+        """Time this rank spent in Newton–Schulz calls."""
+        total = 0.0
+        for span in self._ns_spans:
+            total += span if isinstance(span, float) else span[0].elapsed_time(span[1]) / 1e3
+        return total
+
+
+class _Timed:
+    """Times a block of device work into ``stats``: host time on CPU; CUDA events otherwise, so
+    that timing never synchronizes the step."""
+
+    def __init__(self, stats: StepStats, device: torch.device) -> None:
+        self.stats, self.cuda = stats, device.type == "cuda"
+
+    def __enter__(self) -> None:
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.stats._ns_spans.append((self.start, end))
+        else:
+            self.stats._ns_spans.append(time.perf_counter() - self.start)
 
 
 def unit_of(work: MatrixWork, itemsize: int) -> Unit:
@@ -195,7 +231,8 @@ class Orthogonalizer:
         outputs: dict[int, Tensor] = {}
         for (_, _, config), members in batches.items():
             stacked = torch.cat([inputs[u] for u in members])
-            results = orthogonalize(stacked, config).split([works[u].count for u in members])
+            with _Timed(self.stats, stacked.device):
+                results = orthogonalize(stacked, config).split([works[u].count for u in members])
             outputs.update(zip(members, results))
             self.stats.matrices_orthogonalized += stacked.shape[0]
             self.stats.ns_flops += sum(plan.units[u].flops for u in members)

@@ -206,6 +206,7 @@ class Muon(torch.optim.Optimizer):
             self._module_roles = module_roles(params)
             params = list(params.named_parameters())
         self.skipped_steps = 0
+        self._update_squares: dict[str, list] = {}  # group label -> [sum of squares, elements], last step
         self._user_groups = 0
         self._process_group = process_group
         self._replica_split = replica_split
@@ -366,11 +367,16 @@ class Muon(torch.optim.Optimizer):
         count, m, n = matrix_shape(p.shape, view)
         config = _ns_config(group, (m, n), p.device.type)
         local = _local(p)
+        label = self._group_label(group)
 
         def apply(update: Tensor) -> None:
             lr = float(group["lr"])
+            ratio = adjusted_lr_ratio(group["adjust_lr_fn"], m, n)
+            squares = self._update_squares.setdefault(label, [torch.zeros((), device=local.device), 0])
+            squares[0] += update.float().square().sum() * ratio**2  # a device tensor: no sync
+            squares[1] += update.numel()
             local.mul_(1 - lr * group["weight_decay"])
-            local.add_(update.to(local.dtype), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], m, n))
+            local.add_(update.to(local.dtype), alpha=-lr * ratio)
 
         return MatrixWork(name, inputs[id(p)], apply, tuple(local.shape), local.dtype, layout, process_group,
                           count, m, n, config)
@@ -401,8 +407,49 @@ class Muon(torch.optim.Optimizer):
 
     @property
     def last_step_stats(self) -> StepStats:
-        """This rank's matrices orthogonalized, NS FLOPs, bytes sent and collectives, last step."""
+        """This rank's matrices orthogonalized, NS FLOPs and seconds, bytes sent and collectives,
+        last step."""
         return self._engine.stats
+
+    def _group_label(self, group: dict[str, Any]) -> str:
+        return str(group.get("name") or self.param_groups.index(group))
+
+    def statistics(self, all_ranks: bool = False) -> dict[str, float]:
+        """The last step in numbers, for logging (flat keys, float values):
+
+        ``muon/update_rms/<group>`` — RMS of the Muon update before the lr (rms(O)·r(m, n); at
+        most about 0.2 with ``match_rms_adamw``, less for low-rank gradients), ``lr/<group>``, ``ns_seconds``, ``ns_gflop``,
+        ``matrices``, ``bytes_sent``, ``collectives``, ``skipped_steps``. ``<group>`` is the
+        group's ``"name"`` or its index in ``param_groups``.
+
+        This rank's own figures by default, with no collective (on CUDA, reading them waits for
+        the step's kernels). ``all_ranks=True`` (collective: every rank must call it) makes them
+        the job's: update RMS over whole matrices, sums of the counts, the slowest rank's
+        ``ns_seconds``.
+        """
+        stats = self._engine.stats
+        labels = [self._group_label(g) for g in self.param_groups if g["algorithm"] == "muon"]
+        squares = [self._update_squares.get(label, [torch.zeros(()), 0]) for label in labels]
+        sums = torch.tensor([float(sq) for sq, _ in squares] + [n for _, n in squares], dtype=torch.float64)
+        counts = torch.tensor([stats.matrices_orthogonalized, stats.ns_flops, stats.bytes_sent, stats.collectives],
+                              dtype=torch.float64)
+        seconds = torch.tensor([stats.ns_seconds], dtype=torch.float64)
+        group = self._agreement_group()
+        if all_ranks and group is not None:
+            sums, counts, seconds = (t.to(self._collective_device()) for t in (sums, counts, seconds))
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(counts, group=group)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+        out = {}
+        for i, label in enumerate(labels):
+            numel = sums[len(labels) + i].item()
+            out[f"muon/update_rms/{label}"] = math.sqrt(sums[i].item() / numel) if numel else 0.0
+        for group_ in self.param_groups:
+            out[f"lr/{self._group_label(group_)}"] = float(group_["lr"])
+        matrices, flops, sent, collectives = counts.tolist()
+        out.update(ns_seconds=seconds.item(), ns_gflop=flops / 1e9, matrices=matrices, bytes_sent=sent,
+                   collectives=collectives, skipped_steps=float(self.skipped_steps))
+        return out
 
     def _check_ranks_agree(self) -> None:
         """Raise on every rank if ranks were given different configurations (one collective).
@@ -431,6 +478,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._engine.start_step()
+        self._update_squares = {}
         shardings = self._owner_shardings()
         for sharding in shardings:
             sharding.wait_for_gradients()
@@ -473,7 +521,8 @@ class Muon(torch.optim.Optimizer):
                 if flags and not bool(torch.stack([f for _, f in flags]).all()):
                     bad.extend(n for n, f in flags if not f)
         # an owner-sharded parameter's gradient is its owner's business alone: others report none missing
-        local = torch.tensor([float(bool(bad))] + [float(p.grad is None and _steps_here(p)) for _, p in muon])
+        local = torch.tensor([float(bool(bad))] + [float(p.grad is None and _steps_here(p)) for _, p in muon],
+                             device=self._collective_device())
         agreed = all_reduce_max(local, self._agreement_group(), self._engine.counter)
         if agreed[0] > 0:
             where = bad or ["another rank's parameters"]
@@ -487,6 +536,11 @@ class Muon(torch.optim.Optimizer):
         if partial:
             warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=3)
         return {id(p) for (_, p), missing in zip(muon, agreed[1:].tolist()) if not missing and _steps_here(p)}
+
+    def _collective_device(self) -> torch.device:
+        """Where the optimizer's small collectives run: the parameters' device (NCCL groups take
+        only CUDA tensors)."""
+        return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
 
     def _agreement_group(self) -> dist.ProcessGroup | None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -264,3 +264,30 @@ def test_bad_setups_raise_the_same_error_on_every_rank(fn, expected):
     errors = run_on_ranks(2, error_of, fn)
     assert errors[0] is not None and errors[0] == errors[1]
     assert re.match(expected, errors[0]), errors[0]
+
+
+def step_statistics(layout: str) -> dict:
+    """One step on SHAPES; the optimizer's statistics, this rank's and the job's."""
+    world = dist.get_world_size()
+    mesh, placements = placements_for(layout, world)
+    params = [nn.Parameter(as_layout(t, mesh, placements)) for t in full_tensors(SHAPES, 0)]
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "name": "matrices"}], **HPARAMS)
+    for p, g in zip(params, full_tensors(SHAPES, 100)):
+        p.grad = as_layout(g, mesh, placements)
+    opt.step()
+    return dict(mine=opt.statistics(), job=opt.statistics(all_ranks=True))
+
+
+@pytest.mark.parametrize("layout,world", [("fsdp", 2), ("fsdp", 3), ("ddp", 3)])
+def test_statistics_of_the_job_match_one_process(layout, world):
+    alone = run_on_ranks(1, step_statistics, "ddp")[0]["job"]
+    results = run_on_ranks(world, step_statistics, layout)
+    matrices = sum(s[0] if len(s) == 3 else 1 for s in SHAPES)
+    assert alone["matrices"] == matrices
+    for r in results:
+        job = r["job"]
+        assert job["muon/update_rms/matrices"] == pytest.approx(alone["muon/update_rms/matrices"], rel=1e-6)
+        assert job["matrices"] == matrices and job["ns_gflop"] == pytest.approx(alone["ns_gflop"])
+        assert job["bytes_sent"] == sum(x["mine"]["bytes_sent"] for x in results) > 0
+        assert job["ns_seconds"] == max(x["mine"]["ns_seconds"] for x in results)
+        assert r["mine"]["matrices"] < matrices  # each rank did its share only

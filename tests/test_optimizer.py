@@ -4,6 +4,7 @@ rows 2, 10, 11, 13–16, 18)."""
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -480,3 +481,22 @@ def test_training_reduces_loss():
             opt.step()
             losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_statistics_describe_the_last_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48, bias=False), nn.Linear(48, 16))
+    opt = dmuon.Muon(model, lr=0.01, weight_decay=0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(8, 32)).square().mean().backward()
+    opt.step()
+    stats = opt.statistics()
+    # the Muon update's RMS before the lr is the parameters' change divided by the lr
+    muon = [(p, b) for p, b in zip(model.parameters(), before) if p.ndim == 2]
+    squares = sum(((b - p.detach()) / 0.01).square().sum() for p, b in muon)
+    numel = sum(p.numel() for p, _ in muon)
+    assert stats["muon/update_rms/0"] == pytest.approx(math.sqrt(squares / numel), rel=1e-4)
+    assert stats["lr/0"] == stats["lr/1"] == 0.01
+    assert stats["matrices"] == 2 and stats["ns_gflop"] > 0 and stats["ns_seconds"] > 0
+    assert stats["bytes_sent"] == stats["collectives"] == stats["skipped_steps"] == 0
+    assert all(isinstance(v, float) for v in stats.values())
