@@ -121,7 +121,9 @@ class Orthogonalizer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         comm_dtype: torch.dtype | None = None,
         flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE,
+        orthogonalize_fn: Callable[[Tensor, NSConfig], Tensor] = orthogonalize,
     ) -> None:
+        self.orthogonalize = orthogonalize_fn  # the plain function, or its torch.compile'd form
         self.bucket_bytes = bucket_bytes
         self.comm_dtype = comm_dtype
         self.flops_per_byte = flops_per_byte
@@ -232,7 +234,7 @@ class Orthogonalizer:
         for (_, _, config), members in batches.items():
             stacked = torch.cat([inputs[u] for u in members])
             with _Timed(self.stats, stacked.device):
-                results = orthogonalize(stacked, config).split([works[u].count for u in members])
+                results = self.orthogonalize(stacked, config).split([works[u].count for u in members])
             outputs.update(zip(members, results))
             self.stats.matrices_orthogonalized += stacked.shape[0]
             self.stats.ns_flops += sum(plan.units[u].flops for u in members)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from functools import partial
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch.optim.adamw import adamw as adamw_update
 from dmuon.engine import MatrixWork, Orthogonalizer, StepStats, unit_of
 from dmuon.exchange import all_reduce_max, check_ranks_agree
 from dmuon.layout import detect_layout, owned_by
-from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, resolve_config
+from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, orthogonalize, resolve_config
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, split_replicas_is_cheaper
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, default_route, matrix_shape, module_roles
 
@@ -43,6 +44,46 @@ def adjusted_lr_ratio(adjust_lr_fn: str | None, m: int, n: int) -> float:
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(m, n))
     return math.sqrt(max(1.0, m / n))
+
+
+def update_momentum(buf: Tensor, grad: Tensor, momentum: Tensor) -> None:
+    """``B ← μ·B + (1−μ)·G``, μ a 0-D tensor (compiled once for every μ)."""
+    buf.lerp_(grad, 1 - momentum.to(buf.dtype))
+
+
+def nesterov_input(grad: Tensor, buf: Tensor, momentum: Tensor) -> Tensor:
+    """``G + μ·(B − G)``: the Newton–Schulz input with Nesterov momentum."""
+    return torch.lerp(grad, buf, momentum.to(buf.dtype))
+
+
+def apply_update(param: Tensor, update: Tensor, lr: Tensor, weight_decay: Tensor, scale: float) -> None:
+    """``W ← W·(1 − lr·wd) − lr·scale·O``, lr and wd 0-D tensors (compiled once for every lr)."""
+    param.mul_(1 - lr * weight_decay)
+    param.sub_(update.to(param.dtype) * (lr * scale))
+
+
+@dataclass(frozen=True)
+class CompiledKernels:
+    """The step's tensor code, each function compiled whole (``fullgraph=True``: a graph break
+    is an error) for fixed shapes; hyperparameters enter as 0-D tensors, so changing the lr or
+    momentum reuses the compiled code."""
+
+    orthogonalize: Callable[[Tensor, NSConfig], Tensor]
+    update_momentum: Callable[[Tensor, Tensor, Tensor], None]
+    nesterov_input: Callable[[Tensor, Tensor, Tensor], Tensor]
+    apply_update: Callable[[Tensor, Tensor, Tensor, Tensor, float], None]
+
+
+def compile_kernels(backend: str | Callable = "inductor") -> CompiledKernels:
+    def compiled(fn: Callable) -> Callable:
+        return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+
+    return CompiledKernels(*(compiled(fn) for fn in (orthogonalize, update_momentum, nesterov_input, apply_update)))
+
+
+def _scalar(value: float | Tensor, device: torch.device) -> Tensor:
+    """A hyperparameter as the 0-D fp32 tensor the compiled kernels take."""
+    return torch.as_tensor(value, dtype=torch.float32, device=device)
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -181,6 +222,7 @@ class Muon(torch.optim.Optimizer):
         comm_dtype: torch.dtype | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         replica_split: bool | None = None,
+        compile: bool | str | Callable = False,
     ) -> None:
         if nonfinite_grads not in NONFINITE_POLICIES:
             raise ValueError(f"Invalid {nonfinite_grads=}. Must be one of {NONFINITE_POLICIES}.")
@@ -190,6 +232,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Invalid {bucket_bytes=}. Must be a positive int.")
         if replica_split not in (None, True, False):
             raise ValueError(f"Invalid {replica_split=}. Must be None (cost model), True or False.")
+        if not (isinstance(compile, (bool, str)) or callable(compile)):
+            raise ValueError(f"Invalid {compile=}. Must be a bool, or a torch.compile backend (name or callable).")
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
@@ -212,7 +256,9 @@ class Muon(torch.optim.Optimizer):
         self._replica_split = replica_split
         self._split_decisions: dict[tuple, bool] = {}
         self._engine_options = (comm_dtype, bucket_bytes, replica_split)
-        self._engine = Orthogonalizer(bucket_bytes, comm_dtype)
+        self._kernels = compile_kernels("inductor" if compile is True else compile) if compile else None
+        self._engine = Orthogonalizer(bucket_bytes, comm_dtype,
+                                      orthogonalize_fn=self._kernels.orthogonalize if self._kernels else orthogonalize)
         super().__init__(params, defaults)
         self._module_roles = {}  # used for routing at construction only; params may be swapped later
         self.plans  # detects every layout now: an unsupported one raises before any collective
@@ -370,11 +416,15 @@ class Muon(torch.optim.Optimizer):
         label = self._group_label(group)
 
         def apply(update: Tensor) -> None:
-            lr = float(group["lr"])
             ratio = adjusted_lr_ratio(group["adjust_lr_fn"], m, n)
             squares = self._update_squares.setdefault(label, [torch.zeros((), device=local.device), 0])
             squares[0] += update.float().square().sum() * ratio**2  # a device tensor: no sync
             squares[1] += update.numel()
+            if self._kernels is not None:
+                hyper = (_scalar(group["lr"], local.device), _scalar(group["weight_decay"], local.device))
+                self._kernels.apply_update(local, update, *hyper, ratio)
+                return
+            lr = float(group["lr"])
             local.mul_(1 - lr * group["weight_decay"])
             local.add_(update.to(local.dtype), alpha=-lr * ratio)
 
@@ -412,7 +462,7 @@ class Muon(torch.optim.Optimizer):
         return self._engine.stats
 
     def _group_label(self, group: dict[str, Any]) -> str:
-        return str(group.get("name") or self.param_groups.index(group))
+        return str(group.get("name") or next(i for i, g in enumerate(self.param_groups) if g is group))
 
     def statistics(self, all_ranks: bool = False) -> dict[str, float]:
         """The last step in numbers, for logging (flat keys, float values):
@@ -566,6 +616,11 @@ class Muon(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
+            if self._kernels is not None:
+                mu = _scalar(momentum, buf.device)
+                self._kernels.update_momentum(buf, grad, mu)
+                inputs[id(p)] = partial(self._kernels.nesterov_input, grad, buf, mu) if nesterov else partial(torch.Tensor.view_as, buf, buf)
+                continue
             buf.lerp_(grad, 1 - momentum)
             inputs[id(p)] = partial(torch.lerp, grad, buf, momentum) if nesterov else partial(torch.Tensor.view_as, buf, buf)
         return inputs
