@@ -17,6 +17,9 @@ HSDP ``(Replicate(), Shard(0))``, replicas split the work
 HSDP, each replica alone   the mesh's shard-dim group              1      S
 owner-sharded (whole on    none: the owner steps it alone          1      1
 one owner rank)
+stack of matrices (experts none: each rank orthogonalizes the      1      1
+(E, m, n)) sharded on dim  matrices it holds (its local shape)
+0 over every mesh dim
 =========================  ======================================  =====  =====
 
 Anything else (tensor parallel ``Shard(1)``, ``_StridedShard``, ``Partial``) raises
@@ -94,20 +97,33 @@ def owned_by(param: Tensor) -> OwnedParam | None:
     return getattr(param, _OWNED_ATTR, None)
 
 
+def _splits_dim0_only(placements: tuple) -> bool:
+    """Sharded on dim 0 over every mesh dim (plain or strided): every rank holds whole slices
+    along dim 0, and no two ranks the same (with a Replicate dim, replicas would repeat the
+    work; those stacks go through the exchange, which can split it)."""
+    return all(isinstance(p, Shard) and p.dim == 0 for p in placements)
+
+
 def _group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
 def detect_layout(
-    param: Tensor, name: str, process_group: dist.ProcessGroup | None, split_replicas: bool
+    param: Tensor, name: str, process_group: dist.ProcessGroup | None, split_replicas: bool,
+    stack: bool = False,
 ) -> tuple[Layout, dist.ProcessGroup | None]:
     """The layout of ``param`` and the process group its exchange runs on (None: no exchange).
 
     ``split_replicas``: for HSDP, whether the replicas split the work (exchange over all mesh
     ranks) or each replica group orthogonalizes everything alone (exchange over its shards).
+    ``stack``: Muon sees ``param`` as a stack of matrices along dim 0 (expert weights), so a
+    Shard(0) split hands every rank whole matrices, which it orthogonalizes itself.
     """
     if owned_by(param) is not None:  # whole on its owner, which steps it alone
         return Layout(tuple(param.shape), 1, 1, (owned_by(param).owner,)), None
+    if stack and isinstance(param, DTensor) and _splits_dim0_only(tuple(param.placements)):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return Layout(tuple(param.to_local().shape), 1, 1, (rank,)), None
     if not isinstance(param, DTensor):
         if not dist.is_available() or not dist.is_initialized():
             return Layout(tuple(param.shape), 1, 1, (0,)), None

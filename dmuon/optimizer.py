@@ -409,8 +409,9 @@ class Muon(torch.optim.Optimizer):
 
     def _work(self, entry, inputs: dict[int, Callable[[], Tensor]], split: bool) -> MatrixWork:
         name, p, group, view = entry
-        layout, process_group = detect_layout(p, name, self._process_group, split)
-        count, m, n = matrix_shape(p.shape, view)
+        stack = p.ndim == 3 and view in ("auto", "batch")
+        layout, process_group = detect_layout(p, name, self._process_group, split, stack)
+        count, m, n = matrix_shape(layout.shape, view)  # a local stack: this rank's matrices
         config = _ns_config(group, (m, n), p.device.type)
         local = _local(p)
         label = self._group_label(group)

@@ -6,6 +6,7 @@ shard of the parameters and momentum with the reference's rows."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -78,8 +79,8 @@ def step_parity(layout: str, shapes, steps: int, replica_split, comm_dtype=None,
         opt.step()
         ref.step()
         stats.append(opt.last_step_stats)
-    plan = opt.plan
-    position = plan.units[0].layout.group_ranks.index(dist.get_rank())
+    # expert stacks sharded on dim 0 are orthogonalized locally: a plan of their own
+    positions = [(plan, plan.units[0].layout.group_ranks.index(dist.get_rank())) for plan in opt.plans]
     equal_params = [torch.equal(local(p), rows_of(r.detach(), p)) for p, r in zip(params, ref_params)]
     equal_momentum = [
         torch.equal(local(opt.state[p]["momentum_buffer"]), rows_of(ref.state[r]["momentum_buffer"], p))
@@ -92,7 +93,8 @@ def step_parity(layout: str, shapes, steps: int, replica_split, comm_dtype=None,
     return dict(
         equal_params=equal_params, equal_momentum=equal_momentum, close_params=close_params,
         matrices=[s.matrices_orthogonalized for s in stats], bytes_sent=[s.bytes_sent for s in stats],
-        planned_bytes=plan.bytes_sent(position), planned_matrices=plan.matrices(position),
+        planned_bytes=sum(plan.bytes_sent(p) for plan, p in positions),
+        planned_matrices=sum(plan.matrices(p) for plan, p in positions),
         placements_kept=all(
             not isinstance(p, DTensor) or tuple(p.placements) == tuple(placements) for p in params
         ),
@@ -291,3 +293,54 @@ def test_statistics_of_the_job_match_one_process(layout, world):
         assert job["bytes_sent"] == sum(x["mine"]["bytes_sent"] for x in results) > 0
         assert job["ns_seconds"] == max(x["mine"]["ns_seconds"] for x in results)
         assert r["mine"]["matrices"] < matrices  # each rank did its share only
+
+
+# ---------------------------------------------------------------- expert parallel
+
+
+def expert_stack_step(mesh_shape: tuple[int, ...], experts: int) -> dict:
+    """A stack of ``experts`` 8×12 matrices sharded on dim 0 over every dim of the mesh, and a
+    plain matrix; expert 0 gets a zero gradient (it received no tokens)."""
+    mesh = init_device_mesh("cpu", mesh_shape)
+    placements = [Shard(0)] * len(mesh_shape)
+    init = full_tensors([(experts, 8, 12), (16, 24)], 0)
+    params = [nn.Parameter(distribute_tensor(init[0].clone(), mesh, placements)), nn.Parameter(init[1].clone())]
+    ref_params = [nn.Parameter(t.clone()) for t in init]
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon"}], **HPARAMS)
+    ref = ReferenceMuon(ref_params, **HPARAMS)
+    for step in range(2):
+        grads = full_tensors([(experts, 8, 12), (16, 24)], 100 + step)
+        grads[0][0] = 0.0
+        params[0].grad = distribute_tensor(grads[0], mesh, placements)
+        params[1].grad = grads[1].clone()
+        for r, g in zip(ref_params, grads):
+            r.grad = g.clone()
+        opt.step()
+        ref.step()
+    stats = opt.last_step_stats
+    return dict(
+        equal=[torch.equal(params[0].full_tensor(), ref_params[0].detach()), torch.equal(params[1], ref_params[1])],
+        momentum_equal=torch.equal(opt.state[params[0]]["momentum_buffer"].full_tensor(),
+                                   ref.state[ref_params[0]]["momentum_buffer"]),
+        placements=tuple(params[0].placements) == tuple(placements),
+        local_experts=params[0].to_local().shape[0], matrices=stats.matrices_orthogonalized,
+        bytes_sent=stats.bytes_sent, plain_matrix_bytes=opt.plans[0].bytes_sent(dist.get_rank()),
+    )
+
+
+@pytest.mark.parametrize("mesh_shape,experts", [((2,), 4), ((3,), 5), ((4,), 5), ((4,), 3), ((2, 2), 6)])
+def test_expert_stacks_are_orthogonalized_where_they_live(mesh_shape, experts):
+    """Expert parallel (and FSDP2 on an expert stack, and both on a 2-D mesh): every rank
+    orthogonalizes the experts it holds, as one batch — bitwise the single-process result, no
+    bytes moved for them, every expert exactly once; a rank with no experts and an expert with
+    a zero gradient are fine."""
+    world = math.prod(mesh_shape)
+    results = run_on_ranks(world, expert_stack_step, mesh_shape, experts)
+    for rank, r in enumerate(results):
+        assert all(r["equal"]) and r["momentum_equal"] and r["placements"], (rank, r)
+        # only the plain matrix and the flags travel; the stack's matrices stay home
+        flags = 4 * 3
+        assert r["bytes_sent"] == r["plain_matrix_bytes"] + flags, (rank, r)
+    assert sum(r["local_experts"] for r in results) == experts
+    owned_plain = sum(r["matrices"] - r["local_experts"] for r in results)
+    assert owned_plain == 1  # the plain 16x24 matrix, once in the job
