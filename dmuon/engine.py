@@ -30,6 +30,15 @@ from dmuon.orthogonalization import NSConfig, newton_schulz_flops, orthogonalize
 from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, make_plan
 
 
+@dataclass(frozen=True)
+class Block:
+    """Rows of a fused matrix orthogonalized on their own, and the factor their result takes."""
+
+    rows: int
+    config: NSConfig
+    scale: float
+
+
 @dataclass
 class MatrixWork:
     """One Muon parameter's orthogonalization in this step.
@@ -37,6 +46,8 @@ class MatrixWork:
     ``local_input()`` computes what this rank holds of the Newton–Schulz input (its shard, or
     the whole tensor; shaped ``local_shape``); the whole input is ``count`` m×n matrices, laid
     out as ``layout.shape``. ``apply(update)`` consumes this rank's piece of the result.
+    ``blocks``: for fused weights, the row blocks orthogonalized separately, each result scaled
+    by its block's factor (empty: the whole matrix, with ``config``, unscaled).
     """
 
     name: str
@@ -50,6 +61,7 @@ class MatrixWork:
     m: int
     n: int
     config: NSConfig
+    blocks: tuple[Block, ...] = ()
 
 
 @dataclass
@@ -98,8 +110,9 @@ class _Timed:
 
 
 def unit_of(work: MatrixWork, itemsize: int) -> Unit:
-    per_matrix = newton_schulz_flops(
-        work.m, work.n, steps=work.config.steps, method=work.config.method, restarts=work.config.restarts
+    pieces = [(b.rows, b.config) for b in work.blocks] or [(work.m, work.config)]
+    per_matrix = sum(
+        newton_schulz_flops(rows, work.n, steps=c.steps, method=c.method, restarts=c.restarts) for rows, c in pieces
     )
     return Unit(work.name, work.layout, work.count, work.m, work.n, itemsize, work.count * per_matrix)
 
@@ -227,17 +240,26 @@ class Orthogonalizer:
                     pieces.append(received[p][offsets[p] : offsets[p] + size])
                     offsets[p] += size
             inputs[u] = torch.cat(pieces).reshape(work.count, work.m, work.n)
-        batches: dict[tuple, list[int]] = {}
+        # pieces: whole matrices, or the row blocks of fused ones; same shape+config share a call
+        batches: dict[tuple, list[tuple[int, int, int]]] = {}
         for u in inputs:
-            batches.setdefault((works[u].m, works[u].n, works[u].config), []).append(u)
-        outputs: dict[int, Tensor] = {}
-        for (_, _, config), members in batches.items():
-            stacked = torch.cat([inputs[u] for u in members])
+            work, start = works[u], 0
+            for b, (rows, config) in enumerate([(b.rows, b.config) for b in work.blocks] or [(work.m, work.config)]):
+                batches.setdefault((rows, work.n, config), []).append((u, b, start))
+                start += rows
+            self.stats.ns_flops += plan.units[u].flops
+        pieces: dict[tuple[int, int], Tensor] = {}
+        for (rows, _, config), members in batches.items():
+            stacked = torch.cat([inputs[u][:, start : start + rows] for u, _, start in members])
             with _Timed(self.stats, stacked.device):
-                results = self.orthogonalize(stacked, config).split([works[u].count for u in members])
-            outputs.update(zip(members, results))
+                results = self.orthogonalize(stacked, config).split([works[u].count for u, _, _ in members])
+            pieces.update(((u, b), r) for (u, b, _), r in zip(members, results))
             self.stats.matrices_orthogonalized += stacked.shape[0]
-            self.stats.ns_flops += sum(plan.units[u].flops for u in members)
+        outputs: dict[int, Tensor] = {}
+        for u in inputs:
+            blocks = works[u].blocks
+            outputs[u] = pieces[u, 0] if not blocks else \
+                torch.cat([pieces[u, b] * block.scale for b, block in enumerate(blocks)], dim=1)
         return outputs
 
     # ------------------------------------------------------------------ return

@@ -15,19 +15,19 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_update
 
-from dmuon.engine import MatrixWork, Orthogonalizer, StepStats, unit_of
+from dmuon.engine import Block, MatrixWork, Orthogonalizer, StepStats, unit_of
 from dmuon.exchange import all_reduce_max, check_ranks_agree
 from dmuon.layout import detect_layout, owned_by
 from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, orthogonalize, resolve_config
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, split_replicas_is_cheaper
-from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, default_route, matrix_shape, module_roles
+from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, block_rows, default_route, matrix_shape, module_roles
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
 MUON_KEYS = (
     "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
-    "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts",
+    "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts", "ns_blocks",
 )
 ADAMW_KEYS = ("lr", "weight_decay", "betas", "eps")
 # Keys a user's param group may carry besides hyperparameters.
@@ -213,6 +213,7 @@ class Muon(torch.optim.Optimizer):
         ns_method: str = "auto",
         ns_dtype: torch.dtype | str | None = None,
         ns_restarts: Sequence[int] | None = None,
+        ns_blocks: int | Sequence[int] | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_lr: float | Tensor | None = None,
@@ -237,7 +238,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-            ns_method=ns_method, ns_dtype=ns_dtype, ns_restarts=ns_restarts,
+            ns_method=ns_method, ns_dtype=ns_dtype, ns_restarts=ns_restarts, ns_blocks=ns_blocks,
             adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_lr=adamw_lr,
             adamw_weight_decay=adamw_weight_decay, nonfinite_grads=nonfinite_grads,
         )
@@ -311,9 +312,13 @@ class Muon(torch.optim.Optimizer):
             view = view_override or (route.matrix_view if chosen == route.algorithm else "auto")
             if chosen == "muon":
                 try:
-                    matrix_shape(param.shape, view)
+                    _, m, _ = matrix_shape(param.shape, view)
                 except ValueError as err:
                     raise ValueError(f"{label}{where}: {err} Put it in an 'adamw' group.") from None
+                try:
+                    block_rows(param_group.get("ns_blocks", self.defaults["ns_blocks"]), m)
+                except ValueError as err:
+                    raise ValueError(f"{err} ({label}{where})") from None
             split[chosen].append((name, param, view))
 
         named = any(name is not None for name, _ in entries)
@@ -328,6 +333,8 @@ class Muon(torch.optim.Optimizer):
                 for key in MUON_KEYS:
                     group.setdefault(key, self.defaults[key])
                 group["ns_dtype"] = dtype_name(group["ns_dtype"], where)
+                if not isinstance(group["ns_blocks"], (int, type(None))):
+                    group["ns_blocks"] = list(group["ns_blocks"])  # plain values: DCP state dicts take them
                 group["matrix_views"] = [v for _, _, v in members]
                 validate_muon_group(group, where)
             else:
@@ -413,11 +420,17 @@ class Muon(torch.optim.Optimizer):
         layout, process_group = detect_layout(p, name, self._process_group, split, stack)
         count, m, n = matrix_shape(layout.shape, view)  # a local stack: this rank's matrices
         config = _ns_config(group, (m, n), p.device.type)
+        rows = block_rows(group["ns_blocks"], m)
+        # fused weights: each block is orthogonalized and scaled for its own shape by its owner
+        blocks = () if len(rows) == 1 else tuple(
+            Block(r, _ns_config(group, (r, n), p.device.type), adjusted_lr_ratio(group["adjust_lr_fn"], r, n))
+            for r in rows
+        )
         local = _local(p)
         label = self._group_label(group)
 
         def apply(update: Tensor) -> None:
-            ratio = adjusted_lr_ratio(group["adjust_lr_fn"], m, n)
+            ratio = 1.0 if blocks else adjusted_lr_ratio(group["adjust_lr_fn"], m, n)
             squares = self._update_squares.setdefault(label, [torch.zeros((), device=local.device), 0])
             squares[0] += update.float().square().sum() * ratio**2  # a device tensor: no sync
             squares[1] += update.numel()
@@ -430,7 +443,7 @@ class Muon(torch.optim.Optimizer):
             local.add_(update.to(local.dtype), alpha=-lr * ratio)
 
         return MatrixWork(name, inputs[id(p)], apply, tuple(local.shape), local.dtype, layout, process_group,
-                          count, m, n, config)
+                          count, m, n, config, blocks)
 
     def _owner_shardings(self) -> list:
         """The owner shardings (:mod:`dmuon.owner`) of this optimizer's parameters."""

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from dmuon.optimizer import MUON_KEYS, Muon, adjusted_lr_ratio
 from dmuon.orthogonalization import newton_schulz
-from dmuon.routing import matrix_shape
+from dmuon.routing import block_rows, matrix_shape
 
 
 # The reference takes Muon's own defaults, so the two cannot drift apart.
@@ -55,15 +55,25 @@ class ReferenceMuon(torch.optim.Optimizer):
                 ns_input = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
                 count, m, n = matrix_shape(p.shape, group["matrix_view"])
                 matrices = ns_input.reshape(count, m, n)
-                update = torch.stack([
-                    newton_schulz(
-                        matrices[i], steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                        method=group["ns_method"], dtype=group["ns_dtype"],
-                        restarts=group["ns_restarts"], eps=group["eps"],
-                    )
-                    for i in range(count)
-                ])
+                rows = block_rows(group["ns_blocks"], m)
+                if len(rows) == 1:
+                    update = torch.stack([self._orthogonalize(matrices[i], group) for i in range(count)])
+                    scale = adjusted_lr_ratio(group["adjust_lr_fn"], m, n)
+                else:  # fused weights: every block orthogonalized and scaled for its own shape
+                    update = torch.stack([
+                        torch.cat([self._orthogonalize(block, group) * adjusted_lr_ratio(group["adjust_lr_fn"], r, n)
+                                   for block, r in zip(matrices[i].split(rows), rows)])
+                        for i in range(count)
+                    ])
+                    scale = 1.0
                 lr = float(group["lr"])
                 p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update.reshape(p.shape), alpha=-lr * adjusted_lr_ratio(group["adjust_lr_fn"], m, n))
+                p.add_(update.reshape(p.shape), alpha=-lr * scale)
         return loss
+
+    @staticmethod
+    def _orthogonalize(matrix: Tensor, group: dict[str, Any]) -> Tensor:
+        return newton_schulz(
+            matrix, steps=group["ns_steps"], coefficients=group["ns_coefficients"], method=group["ns_method"],
+            dtype=group["ns_dtype"], restarts=group["ns_restarts"], eps=group["eps"],
+        )

@@ -344,3 +344,38 @@ def test_expert_stacks_are_orthogonalized_where_they_live(mesh_shape, experts):
     assert sum(r["local_experts"] for r in results) == experts
     owned_plain = sum(r["matrices"] - r["local_experts"] for r in results)
     assert owned_plain == 1  # the plain 16x24 matrix, once in the job
+
+
+# ---------------------------------------------------------------- fused weights
+
+
+FUSED = [((48, 32), [32, 8, 8]), ((64, 24), 16), ((2, 12, 20), [6, 6])]  # GQA-style QKV, per head, gate/up stack
+
+
+def fused_step(layout: str) -> dict:
+    """Parameters whose row blocks are orthogonalized separately (``ns_blocks``), one group each."""
+    world = dist.get_world_size()
+    mesh, placements = placements_for(layout, world)
+    init = full_tensors([shape for shape, _ in FUSED], 0)
+    params = [nn.Parameter(as_layout(t, mesh, placements)) for t in init]
+    ref_params = [nn.Parameter(t.clone()) for t in init]
+    groups = [{"params": [p], "algorithm": "muon", "ns_blocks": blocks} for p, (_, blocks) in zip(params, FUSED)]
+    opt = dmuon.Muon(groups, **HPARAMS)
+    ref = ReferenceMuon([{"params": [p], "ns_blocks": blocks} for p, (_, blocks) in zip(ref_params, FUSED)], **HPARAMS)
+    for step in range(2):
+        for p, r, g in zip(params, ref_params, full_tensors([shape for shape, _ in FUSED], 100 + step)):
+            p.grad = as_layout(g, mesh, placements)
+            r.grad = g.clone()
+        opt.step()
+        ref.step()
+    return dict(equal=[torch.equal(local(p), rows_of(r.detach(), p)) for p, r in zip(params, ref_params)],
+                matrices=opt.last_step_stats.matrices_orthogonalized)
+
+
+@pytest.mark.parametrize("layout,world", [("ddp", 1), ("fsdp", 2), ("fsdp", 3), ("ddp", 3)])
+def test_fused_weights_blocks_match_single_process(layout, world):
+    results = run_on_ranks(world, fused_step, layout)
+    for rank, r in enumerate(results):
+        assert all(r["equal"]), (rank, r)
+    # 3 + 4 blocks, and 2 stacked matrices of 2 blocks (the stack is local under FSDP2)
+    assert sum(r["matrices"] for r in results) == 3 + 4 + 2 * 2

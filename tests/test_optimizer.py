@@ -500,3 +500,36 @@ def test_statistics_describe_the_last_step():
     assert stats["matrices"] == 2 and stats["ns_gflop"] > 0 and stats["ns_seconds"] > 0
     assert stats["bytes_sent"] == stats["collectives"] == stats["skipped_steps"] == 0
     assert all(isinstance(v, float) for v in stats.values())
+
+
+def test_fused_weight_blocks_are_orthogonalized_separately():
+    torch.manual_seed(0)
+    qkv = nn.Parameter(torch.randn(48, 32))
+    grad = torch.randn(48, 32)
+    rows = [32, 8, 8]  # grouped-query attention: q, k, v
+    results = {}
+    for blocks in (None, rows):
+        p = nn.Parameter(qkv.detach().clone())
+        opt = dmuon.Muon([{"params": [p], "algorithm": "muon", "ns_blocks": blocks}], lr=0.1, weight_decay=0.0,
+                         ns_dtype=torch.float32, ns_method="standard")
+        p.grad = grad.clone()
+        opt.step()
+        results[str(blocks)] = (qkv.detach() - p.detach()) / 0.1  # the applied update, lr removed
+        assert opt.param_groups[0]["ns_blocks"] == blocks
+    split = results[str(rows)].split(rows)
+    # each block is an orthogonalized matrix scaled for its own shape: its rows are orthogonal,
+    # with the squared norm its scale gives them (0.2·√max(rows, 32))²
+    for block, r in zip(split, rows):
+        scale = 0.2 * math.sqrt(max(r, 32))
+        gram = block @ block.T / scale**2
+        torch.testing.assert_close(gram, torch.eye(r), atol=0.3, rtol=0)
+    assert not torch.allclose(results["None"], results[str(rows)], atol=1e-3)
+
+
+@pytest.mark.parametrize("blocks,message", [
+    (5, "blocks of 5 rows do not tile 48 rows"), ([32, 8], "adding up to 48"), ([48, 0], "positive ints"),
+])
+def test_bad_ns_blocks_are_named(blocks, message):
+    with pytest.raises(ValueError, match=message) as info:
+        dmuon.Muon([{"params": [nn.Parameter(torch.zeros(48, 32))], "algorithm": "muon", "ns_blocks": blocks}])
+    assert "parameter 0 in param group 0" in str(info.value)
