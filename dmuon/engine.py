@@ -27,7 +27,7 @@ from torch import Tensor
 from dmuon.exchange import CommCounter, PendingExchange, start_all_to_all
 from dmuon.layout import Layout
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops, orthogonalize
-from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, make_plan
+from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, balance_owners, make_plan
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,10 @@ class MatrixWork:
     n: int
     config: NSConfig
     blocks: tuple[Block, ...] = ()
+    # gathered layouts only: the whole NS input on every rank (collective), and this rank's
+    # piece of a whole update
+    gather_whole: Callable[[], Tensor] | None = None
+    local_piece: Callable[[Tensor], Tensor] | None = None
 
 
 @dataclass
@@ -161,7 +165,9 @@ class Orthogonalizer:
         return [groups[key] for key in sorted(groups)]
 
     def plans_for(self, works: Sequence[MatrixWork]) -> list[Plan]:
-        return [self.plan_for([works[i] for i in members]) for members in self._by_group(works)]
+        """The plan of each exchange group (gathered layouts have none: see _run_gathered)."""
+        planned = [w for w in works if not w.layout.gathered]
+        return [self.plan_for([planned[i] for i in members]) for members in self._by_group(planned)]
 
     def plan_for(self, works: Sequence[MatrixWork]) -> Plan:
         """The (cached) plan of one exchange group's works."""
@@ -182,8 +188,10 @@ class Orthogonalizer:
 
     def run(self, works: Sequence[MatrixWork]) -> None:
         """Orthogonalize every work and hand each rank's piece of the update to ``work.apply``."""
-        for members in self._by_group(works):
-            self._run_group([works[i] for i in members])
+        planned = [w for w in works if not w.layout.gathered]
+        for members in self._by_group(planned):
+            self._run_group([planned[i] for i in members])
+        self._run_gathered([w for w in works if w.layout.gathered])
         self.stats.bytes_sent = self.counter.bytes_sent
         self.stats.collectives = self.counter.collectives
 
@@ -221,6 +229,29 @@ class Orthogonalizer:
         dtype = self.wire_dtype(works[bucket[0]])
         return start_all_to_all(sends, recv_splits, group, me, dtype, self.counter)
 
+    def _run_gathered(self, works: list[MatrixWork]) -> None:
+        """Layouts the planned exchange does not cover: each input is gathered whole on every
+        rank, its owner (LPT over NS FLOPs) orthogonalizes it and broadcasts the update, and
+        every rank keeps its piece. Exact, but it moves each matrix N times: a fallback."""
+        if not works:
+            return
+        group, size = works[0].group, works[0].layout.size
+        units = [unit_of(w, self.wire_itemsize(w)) for w in works]
+        owners, _ = balance_owners([u.flops for u in units], [u.name for u in units], size)
+        me = works[0].layout.group_ranks.index(dist.get_rank())
+        for u, (work, owner) in enumerate(zip(works, owners)):
+            whole = work.gather_whole().reshape(work.count, work.m, work.n)
+            self.counter.bytes_sent += work.local_input().numel() * whole.element_size() * (size - 1)
+            if owner == me:
+                # contiguous: the collective sends memory order (NS hands tall matrices back transposed)
+                update = self._orthogonalize_inputs({u: whole}, works, units)[u].contiguous()
+                self.counter.bytes_sent += update.numel() * update.element_size() * (size - 1)
+            else:  # contiguous, as the owner's is (a gathered tensor may come with any strides)
+                update = torch.empty(whole.shape, dtype=whole.dtype, device=whole.device)
+            dist.broadcast(update, src=work.layout.group_ranks[owner], group=group)
+            self.counter.collectives += 2
+            work.apply(work.local_piece(update.reshape(work.layout.shape)))
+
     def _orthogonalize_owned(self, plan: Plan, k: int, works, pending, me: int) -> dict[int, Tensor]:
         """Assemble, then orthogonalize, the units of bucket k this rank owns; same-shape,
         same-config units share one batched call."""
@@ -240,14 +271,18 @@ class Orthogonalizer:
                     pieces.append(received[p][offsets[p] : offsets[p] + size])
                     offsets[p] += size
             inputs[u] = torch.cat(pieces).reshape(work.count, work.m, work.n)
-        # pieces: whole matrices, or the row blocks of fused ones; same shape+config share a call
+        return self._orthogonalize_inputs(inputs, works, plan.units)
+
+    def _orthogonalize_inputs(self, inputs: dict[int, Tensor], works, units) -> dict[int, Tensor]:
+        """Orthogonalize whole inputs (index → (count, m, n)); same-shape, same-config pieces —
+        whole matrices, or the row blocks of fused ones — share one batched call."""
         batches: dict[tuple, list[tuple[int, int, int]]] = {}
         for u in inputs:
             work, start = works[u], 0
             for b, (rows, config) in enumerate([(b.rows, b.config) for b in work.blocks] or [(work.m, work.config)]):
                 batches.setdefault((rows, work.n, config), []).append((u, b, start))
                 start += rows
-            self.stats.ns_flops += plan.units[u].flops
+            self.stats.ns_flops += units[u].flops
         pieces: dict[tuple[int, int], Tensor] = {}
         for (rows, _, config), members in batches.items():
             stacked = torch.cat([inputs[u][:, start : start + rows] for u, _, start in members])

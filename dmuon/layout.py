@@ -22,8 +22,11 @@ stack of matrices (experts none: each rank orthogonalizes the      1      1
 0 over every mesh dim
 =========================  ======================================  =====  =====
 
-Anything else (tensor parallel ``Shard(1)``, ``_StridedShard``, ``Partial``) raises
-``NotImplementedError`` naming the parameter.
+Two more cases leave this picture: row-wise tensor parallel ``(Shard(1),)`` is exchanged as the
+transpose (``Layout.transposed``), and any other DTensor sharding on a mesh of all ranks (FSDP +
+tensor parallel with ``_StridedShard``, 2-D blocks) is gathered whole (``Layout.gathered``).
+``Partial`` placements and meshes of a subset of ranks raise ``NotImplementedError`` naming the
+parameter.
 """
 
 from __future__ import annotations
@@ -41,10 +44,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 class Layout:
     """Where one parameter's pieces live. Hashable; equal on every rank of the group."""
 
-    shape: tuple[int, ...]  # global shape
+    shape: tuple[int, ...]  # global shape (of the transpose, when ``transposed``)
     replicas: int  # R
     shards: int  # S
     group_ranks: tuple[int, ...]  # global ranks of the exchange group, by position
+    # Shard(1) (row-wise tensor parallel): the exchange runs on the transpose, whose Shard(0)
+    # rows are the parameter's columns; NS(Wᵀ) = NS(W)ᵀ
+    transposed: bool = False
+    # any other DTensor layout (FSDP + tensor parallel, 2-D blocks): the NS input is gathered
+    # whole on every rank, the owner orthogonalizes it and broadcasts the result
+    gathered: bool = False
 
     @property
     def size(self) -> int:
@@ -101,7 +110,7 @@ def _splits_dim0_only(placements: tuple) -> bool:
     """Sharded on dim 0 over every mesh dim (plain or strided): every rank holds whole slices
     along dim 0, and no two ranks the same (with a Replicate dim, replicas would repeat the
     work; those stacks go through the exchange, which can split it)."""
-    return all(isinstance(p, Shard) and p.dim == 0 for p in placements)
+    return all(getattr(p, "dim", None) == 0 for p in placements)  # Shard(0), _StridedShard(0)
 
 
 def _group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
@@ -155,8 +164,14 @@ def detect_layout(
         group = mesh.get_group(0) if mesh.ndim == 1 else None
         if group is not None:
             return Layout(shape, mesh.size(0), 1, _group_ranks(group)), group
+    if len(placements) == 1 and type(placements[0]) is Shard and placements[0].dim == 1 and len(shape) == 2:
+        group = mesh.get_group(0)
+        return Layout((shape[1], shape[0]), 1, mesh.size(0), _group_ranks(group), transposed=True), group
+    mesh_ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
+    if not any(p.is_partial() for p in placements) and mesh_ranks == tuple(range(dist.get_world_size())):
+        return Layout(shape, 1, len(mesh_ranks), mesh_ranks, gathered=True), dist.group.WORLD
     raise NotImplementedError(
         f"dmuon.Muon does not support the layout of parameter {name!r}: placements "
-        f"{placements} on a {mesh.ndim}-D mesh. Supported: plain/DDP tensors, FSDP2 (Shard(0)), "
-        "HSDP (Replicate(), Shard(0))."
+        f"{placements} on a {mesh.ndim}-D mesh of ranks {list(mesh_ranks)}. Supported: plain/DDP "
+        "tensors, and DTensors sharded or replicated (not Partial) on a mesh of all ranks."
     )

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw as adamw_update
 
 from dmuon.engine import Block, MatrixWork, Orthogonalizer, StepStats, unit_of
@@ -84,6 +84,20 @@ def compile_kernels(backend: str | Callable = "inductor") -> CompiledKernels:
 def _scalar(value: float | Tensor, device: torch.device) -> Tensor:
     """A hyperparameter as the 0-D fp32 tensor the compiled kernels take."""
     return torch.as_tensor(value, dtype=torch.float32, device=device)
+
+
+def _transposed(local_input: Callable[[], Tensor]) -> Tensor:
+    return local_input().mT
+
+
+def _gather_whole(local_input: Callable[[], Tensor], mesh, placements, shape, stride) -> Tensor:
+    """The whole NS input of a DTensor parameter from this rank's piece (a collective)."""
+    return DTensor.from_local(local_input(), mesh, placements, shape=shape, stride=stride).full_tensor()
+
+
+def _piece_of(whole: Tensor, mesh, placements) -> Tensor:
+    """This rank's piece of a whole tensor every rank holds (no communication)."""
+    return distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -418,9 +432,14 @@ class Muon(torch.optim.Optimizer):
         name, p, group, view = entry
         stack = p.ndim == 3 and view in ("auto", "batch")
         layout, process_group = detect_layout(p, name, self._process_group, split, stack)
-        count, m, n = matrix_shape(layout.shape, view)  # a local stack: this rank's matrices
+        # what NS sees: a local stack's own matrices, or for Shard(1) the transpose
+        count, m, n = matrix_shape(layout.shape, view)
+        _, rows_of_p, cols_of_p = matrix_shape(p.shape, view)  # the parameter's matrix: its lr factor
         config = _ns_config(group, (m, n), p.device.type)
-        rows = block_rows(group["ns_blocks"], m)
+        rows = block_rows(group["ns_blocks"], rows_of_p)
+        if len(rows) > 1 and layout.transposed:
+            raise NotImplementedError(f"ns_blocks for parameter {name!r}: row blocks of a Shard(1) (row-wise "
+                                      "tensor parallel) matrix are not supported.")
         # fused weights: each block is orthogonalized and scaled for its own shape by its owner
         blocks = () if len(rows) == 1 else tuple(
             Block(r, _ns_config(group, (r, n), p.device.type), adjusted_lr_ratio(group["adjust_lr_fn"], r, n))
@@ -428,9 +447,14 @@ class Muon(torch.optim.Optimizer):
         )
         local = _local(p)
         label = self._group_label(group)
+        local_input = inputs[id(p)]
+        if layout.transposed:
+            local_input = partial(_transposed, inputs[id(p)])
 
         def apply(update: Tensor) -> None:
-            ratio = 1.0 if blocks else adjusted_lr_ratio(group["adjust_lr_fn"], m, n)
+            if layout.transposed:
+                update = update.mT
+            ratio = 1.0 if blocks else adjusted_lr_ratio(group["adjust_lr_fn"], rows_of_p, cols_of_p)
             squares = self._update_squares.setdefault(label, [torch.zeros((), device=local.device), 0])
             squares[0] += update.float().square().sum() * ratio**2  # a device tensor: no sync
             squares[1] += update.numel()
@@ -442,8 +466,14 @@ class Muon(torch.optim.Optimizer):
             local.mul_(1 - lr * group["weight_decay"])
             local.add_(update.to(local.dtype), alpha=-lr * ratio)
 
-        return MatrixWork(name, inputs[id(p)], apply, tuple(local.shape), local.dtype, layout, process_group,
-                          count, m, n, config, blocks)
+        gather_whole = local_piece = None
+        if layout.gathered:
+            mesh, placements = p.device_mesh, p.placements
+            gather_whole = partial(_gather_whole, local_input, mesh, placements, p.shape, p.stride())
+            local_piece = partial(_piece_of, mesh=mesh, placements=placements)
+        local_shape = tuple(local.mT.shape if layout.transposed else local.shape)
+        return MatrixWork(name, local_input, apply, local_shape, local.dtype, layout, process_group,
+                          count, m, n, config, blocks, gather_whole, local_piece)
 
     def _owner_shardings(self) -> list:
         """The owner shardings (:mod:`dmuon.owner`) of this optimizer's parameters."""
