@@ -23,8 +23,9 @@ Assumptions, each stated where it is used:
   where it does not (CPU).
 * Ring collectives reach the link bandwidth times the profile's efficiency for their kind
   (NCCL: 1; gloo: measured), plus one latency per call.
-* Owner-sharded data parallel (DESIGN.md layer 7, *modelled, not implemented*): each Muon matrix
-  lives whole on its owner (the plan's owner, balanced on FLOPs alone); forward broadcasts it and
+* Owner-sharded data parallel (``dmuon.shard_by_owner``): each Muon matrix lives whole on its
+  owner (chosen as the implementation does, :func:`dmuon.planner.plan_ownership`: shares of NS
+  FLOPs and bytes balanced together); forward broadcasts it and
   backward reduces its gradient to the owner, 2(N−1)/N·P_muon bytes per rank; the other
   parameters stay under FSDP2; the optimizer communicates nothing.
 """
@@ -38,22 +39,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from dmuon.hardware import RING_BYTES, HardwareProfile
 from dmuon.layout import Layout
 from dmuon.models import PRESETS, LlamaConfig, get_config, matrix_shapes, param_count
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops, resolve_config
-from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, make_plan
+from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, make_plan, plan_ownership
 
 MODES = ("fsdp2", "ddp", "owner")
-IMPLEMENTED = {"fsdp2": "implemented", "ddp": "implemented", "owner": "modelled, not implemented"}
 DEFAULT_TOKENS_PER_RANK = 8192
 DEFAULT_SEQ_LEN = 4096
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 
 # Bytes per element of each element-wise phase (reads + writes; fp32 parameters, gradients and
 # momentum), counted from the code that runs:
-CHECK_BYTES = 6  # torch.isfinite(grad) (read 4, write a bool), .all() (read it): every local grad
+CHECK_BYTES = 4  # the non-finite check (a min/max reduction) reads every local grad once
 MOMENTUM_BYTES = 12  # buf.lerp_(grad): every local Muon element
 NESTEROV_BYTES = 12  # grad.lerp(buf): the NS input, where and when the exchange needs it
 APPLY_BYTES = 20  # p.mul_(1 − lr·wd) and p.add_(update): every local Muon element
@@ -201,7 +202,7 @@ def ns_config(m: int, n: int, device_type: str) -> NSConfig:
 def build_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...]]:
     """dmuon's plan for the workload's Muon matrices, and the NS recipe of each unit.
 
-    Owner mode balances FLOPs alone (``flops_per_byte=0``): its optimizer moves no bytes.
+    Owner mode takes the owners ``dmuon.shard_by_owner`` picks; its optimizer moves no bytes.
     """
     units, configs = [], []
     for name, m, n in matrix_shapes(workload.config):
@@ -209,9 +210,12 @@ def build_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...]]:
         flops = newton_schulz_flops(m, n, steps=config.steps, method=config.method, restarts=config.restarts)
         units.append(Unit(name, workload.layout((m, n)), 1, m, n, workload.wire_itemsize, flops))
         configs.append(config)
-    flops_per_byte = 0.0 if workload.mode == "owner" else DEFAULT_FLOPS_PER_BYTE
-    plan = make_plan(units, workload.world_size, units[0].layout.replicas,
-                     bucket_bytes=workload.bucket_bytes, flops_per_byte=flops_per_byte)
+    owners = None
+    if workload.mode == "owner":
+        owners = plan_ownership([u.name for u in units], [u.flops for u in units],
+                                [u.m * u.n * workload.wire_itemsize for u in units], workload.world_size)
+    plan = make_plan(units, workload.world_size, units[0].layout.replicas, bucket_bytes=workload.bucket_bytes,
+                     flops_per_byte=0.0 if owners else DEFAULT_FLOPS_PER_BYTE, owners=owners)
     return plan, tuple(configs)
 
 
@@ -232,6 +236,16 @@ def ns_seconds(flops: float, config: NSConfig, workload: Workload) -> float:
 def memory_seconds(nbytes: float, workload: Workload) -> float:
     """An element-wise (memory-bound) phase moving ``nbytes`` on one rank."""
     return nbytes / (workload.profile.memory_bandwidth * workload.share)
+
+
+def check_seconds(elements: float | Tensor, workload: Workload) -> float | Tensor:
+    """The non-finite check (:func:`dmuon.optimizer.all_finite`) of ``elements`` gradient
+    elements on one rank: at the profile's measured rate where it has one (CPU), else
+    memory-bound at CHECK_BYTES per element."""
+    rate = workload.profile.check_rate
+    if rate is None:
+        return memory_seconds(CHECK_BYTES * elements, workload)
+    return elements / (rate * workload.share)
 
 
 def link(workload: Workload) -> tuple[float, float]:
@@ -337,7 +351,8 @@ def vanilla_muon_step_seconds(workload: Workload, mode: str) -> float:
         flops = newton_schulz_flops(m, n, steps=config.steps, method="standard")
         ns += ns_seconds(flops, config, workload) + memory_seconds(m * n * normalize_bytes(config.dtype), workload)
     local_muon = local_params(muon_params(workload.config), workload, mode)
-    elementwise = memory_seconds(local_muon * (CHECK_BYTES + MOMENTUM_BYTES + NESTEROV_BYTES + APPLY_BYTES), workload)
+    elementwise = (check_seconds(local_muon, workload)
+                   + memory_seconds(local_muon * (MOMENTUM_BYTES + NESTEROV_BYTES + APPLY_BYTES), workload))
     gather = 0.0
     if mode != "ddp" and workload.world_size > 1:
         bandwidth, latency = link(workload)

@@ -8,6 +8,9 @@ What a profile claims, and what it leaves out:
 * ``*_flops``: dense matrix-product FLOP/s of one rank per compute dtype. ``matmul_efficiency``
   is the share of it Newton–Schulz products reach (large GEMMs; no small-matrix roll-off).
 * ``memory_bandwidth``: bytes/s of one rank's element-wise kernels (read + write).
+* ``check_rate``: elements/s of the optimizer's non-finite check (CPU: measured, since a
+  reduction there runs below ``memory_bandwidth``). None: memory-bound like the other
+  element-wise kernels (GPUs).
 * Links, per rank and per direction: ``intra_*`` between ranks of one node, ``inter_*`` between
   nodes of ``ranks_per_node`` ranks. A collective costs one latency plus its busiest rank's
   bytes over the link (:mod:`dmuon.simulate`).
@@ -66,6 +69,7 @@ class HardwareProfile:
     comm_overlaps_compute: bool = True
     # (kind, fraction of the link bandwidth a ring collective of RING_BYTES reaches); 1 if absent
     collective_efficiency: tuple[tuple[str, float], ...] = ()
+    check_rate: float | None = None  # elements/s of the non-finite check; None: memory-bound
     source: str = ""
 
     def matmul_flops(self, dtype: torch.dtype) -> float:
@@ -183,6 +187,16 @@ def measure_memory_bandwidth(numel: int = 1 << 23, reps: int = 9) -> float:
     """Bytes/s of an element-wise kernel (``lerp_``: reads two fp32 tensors, writes one)."""
     x, y = torch.rand(numel), torch.rand(numel)
     return 12 * numel / _best_seconds(lambda: y.lerp_(x, 0.1), reps)
+
+
+def measure_check_rate(numel: int = 1 << 20, reps: int = 9) -> float:
+    """Elements/s of the optimizer's non-finite check (:func:`dmuon.optimizer.all_finite`) on
+    fp32: measured rather than priced by its bytes, since reductions on CPUs run well below
+    the memory bandwidth of the streaming element-wise kernels."""
+    from dmuon.optimizer import all_finite  # the cost model's layer sits above the optimizer
+
+    x = torch.rand(numel)
+    return numel / _best_seconds(lambda: all_finite(x), reps)
 
 
 def measure_parallel_efficiency(cores: int, m: int = 512, k: int = 2048, reps: int = 8,
@@ -383,6 +397,7 @@ def measure_cpu_profile(threads: int = 1) -> HardwareProfile:
             bf16, fp32 = measure_matmul_flops(torch.bfloat16), measure_matmul_flops(torch.float32)
             fp16 = measure_matmul_flops(torch.float16, m=256, k=1024)  # often emulated on CPUs: slow
             memory = measure_memory_bandwidth()
+            check = measure_check_rate()
             bandwidth, latency, collective_efficiency = measure_loopback_collectives()
     finally:
         torch.set_num_threads(previous)
@@ -394,7 +409,7 @@ def measure_cpu_profile(threads: int = 1) -> HardwareProfile:
         intra_bandwidth=bandwidth, intra_latency=latency, inter_bandwidth=bandwidth, inter_latency=latency,
         ranks_per_node=None, matmul_efficiency=1.0, mfu=None, train_dtype=torch.float32, cores=machine_cores,
         parallel_efficiency=efficiency, busy_cores=busy, threads=threads, comm_overlaps_compute=False,
-        collective_efficiency=tuple(sorted(collective_efficiency.items())),
+        collective_efficiency=tuple(sorted(collective_efficiency.items())), check_rate=check,
         source=f"measured on this machine ({machine_cores} cores at {efficiency:.2f} parallel efficiency, "
                f"{busy:.2f} busy with other jobs; {threads} thread(s) per rank; gloo loopback)",
     )

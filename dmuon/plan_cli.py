@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", choices=HARDWARE_NAMES, default="h100",
                         help="GPU datasheet profile, or cpu (measured now, on this machine)")
     parser.add_argument("--mode", choices=MODES, default="fsdp2",
-                        help="owner: owner-sharded data parallel (modelled, not implemented)")
+                        help="owner: owner-sharded data parallel (dmuon.shard_by_owner)")
     parser.add_argument("--tokens-per-step", type=int,
                         help=f"global tokens per step (default: {DEFAULT_TOKENS_PER_RANK} per rank)")
     parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     prediction = predict(workload, args.model)
     print(f"dmuon plan: {args.model} ({param_count(config) / 1e9:.2f} B parameters, "
           f"{muon_params(config) / 1e9:.2f} B in {len(matrix_shapes(config))} Muon matrices), "
-          f"{args.world_size} x {profile.name}, {args.mode} [{prediction.status}]")
+          f"{args.world_size} x {profile.name}, {args.mode}")
     print(f"tokens per step {tokens:,} ({workload.tokens_per_rank:,} per rank, sequences of {args.seq_len:,}); "
           f"Newton–Schulz: {prediction.ns_recipe}")
     print(f"hardware: {profile.source}\n")

@@ -212,14 +212,20 @@ def make_plan(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE,
+    owners: Sequence[int] | None = None,
 ) -> Plan:
-    """Assign an owner position to every unit (LPT) and cut the order into buckets."""
+    """Assign an owner position to every unit (LPT, unless ``owners`` are given) and cut the
+    order into buckets."""
     if size < 1 or replicas < 1 or size % replicas:
         raise ValueError(f"Invalid group shape: {size=} positions, {replicas=} replicas.")
     if bucket_bytes <= 0:
         raise ValueError(f"Invalid {bucket_bytes=}. Must be > 0.")
     costs = [owner_cost(u, size, flops_per_byte) for u in units]
-    owners, order = balance_owners(costs, [u.name for u in units], size)
+    if owners is None:
+        owners, order = balance_owners(costs, [u.name for u in units], size)
+    else:
+        owners = list(owners)
+        order = sorted(range(len(units)), key=lambda i: (-costs[i], units[i].name))
     # Buckets hold about ``bucket_bytes`` of NS input *per owner*: a bucket closes only when an
     # owner that already has work in it would go over, so every bucket gives every rank work
     # (one LPT round at least) and NS runs on all ranks at once, even when one matrix alone is

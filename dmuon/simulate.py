@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from dmuon.costmodel import (
-    APPLY_BYTES, CHECK_BYTES, IMPLEMENTED, MOMENTUM_BYTES, NESTEROV_BYTES, Workload, adamw_params,
-    adamw_seconds, adamw_step_seconds, build_plan, compute_seconds, data_parallel_copy_seconds,
+    APPLY_BYTES, MOMENTUM_BYTES, NESTEROV_BYTES, Workload, adamw_params,
+    adamw_seconds, adamw_step_seconds, build_plan, check_seconds, compute_seconds, data_parallel_copy_seconds,
     data_parallel_seconds, exposed_step_seconds, forward_backward_seconds, local_params, memory_seconds,
     ns_prep_bytes, ns_seconds, pack_bytes, vanilla_muon_step_seconds,
 )
@@ -137,15 +137,16 @@ def bucket_costs(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload) 
         gather, ret = Traffic.zeros(size), Traffic.zeros(size)
         prep_bytes = torch.zeros(size, dtype=torch.float64)
         owner_bytes = torch.zeros(size, dtype=torch.float64)
-        owner_ns = torch.zeros(size, dtype=torch.float64)
+        owner_seconds = torch.zeros(size, dtype=torch.float64)  # NS; in owner mode also the check
         apply_bytes = torch.zeros(size, dtype=torch.float64)
         for u in bucket:
             unit, owner, config = plan.units[u], plan.owners[u], configs[u]
             numel = unit.count * unit.m * unit.n
-            owner_ns[owner] += ns_seconds(unit.flops, config, workload)
+            owner_seconds[owner] += ns_seconds(unit.flops, config, workload)
             owner_bytes[owner] += numel * ns_prep_bytes(unit.itemsize, config.dtype)
             if owner_mode:
-                owner_bytes[owner] += numel * (CHECK_BYTES + MOMENTUM_BYTES + NESTEROV_BYTES + APPLY_BYTES)
+                owner_seconds[owner] += check_seconds(numel, workload)
+                owner_bytes[owner] += numel * (MOMENTUM_BYTES + NESTEROV_BYTES + APPLY_BYTES)
                 continue
             chunk = chunks[u]
             elements = (chunk // unit.itemsize).double()
@@ -165,7 +166,7 @@ def bucket_costs(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload) 
         costs.append(BucketCost(
             gather if has_gather else None, ret if has_return else None,
             memory_seconds(prep_bytes, workload),
-            owner_ns + memory_seconds(owner_bytes, workload),
+            owner_seconds + memory_seconds(owner_bytes, workload),
             memory_seconds(apply_bytes, workload),
         ))
     return costs
@@ -180,7 +181,7 @@ def before_exchange_seconds(plan: Plan, workload: Workload) -> Tensor:
             muon += (chunk // unit.itemsize).double()
     adamw_mode = "ddp" if workload.mode == "ddp" else "fsdp2"
     others = local_params(adamw_params(workload.config), workload, adamw_mode)
-    check = memory_seconds(CHECK_BYTES * others + (CHECK_BYTES + MOMENTUM_BYTES) * muon, workload)
+    check = check_seconds(others + muon, workload) + memory_seconds(MOMENTUM_BYTES * muon, workload)
     return check + adamw_seconds(others, workload)
 
 
@@ -268,7 +269,6 @@ class Prediction:
 
     model: str
     mode: str
-    status: str  # "implemented" or "modelled, not implemented"
     hardware: str
     world_size: int
     tokens_per_rank: int
@@ -330,7 +330,7 @@ def predict(workload: Workload, model: str = "") -> Prediction:
     adamw_step, vanilla_step, dmuon_step = base_fb + adamw_opt, base_fb + vanilla_opt, ours_fb + dmuon_opt
     ms = 1e3
     return Prediction(
-        model=model, mode=workload.mode, status=IMPLEMENTED[workload.mode], hardware=workload.profile.name,
+        model=model, mode=workload.mode, hardware=workload.profile.name,
         world_size=size, tokens_per_rank=workload.tokens_per_rank, seq_len=workload.seq_len,
         mfu=workload.model_flops_utilization, ns_recipe=ns_recipe(plan, configs), buckets=len(plan.buckets),
         ns_gflop_total=sum(u.flops for u in plan.units) / 1e9,
