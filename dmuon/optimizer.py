@@ -355,6 +355,8 @@ class Muon(torch.optim.Optimizer):
             }
             group["algorithm"] = alg
             group["params"] = [(n, p) for n, p, _ in members] if named else [p for _, p, _ in members]
+            if named and not members:  # torch tells named groups by their first entry
+                group["param_names"] = []
             if alg == "muon":
                 for key in MUON_KEYS:
                     group.setdefault(key, self.defaults[key])

@@ -533,3 +533,14 @@ def test_bad_ns_blocks_are_named(blocks, message):
     with pytest.raises(ValueError, match=message) as info:
         dmuon.Muon([{"params": [nn.Parameter(torch.zeros(48, 32))], "algorithm": "muon", "ns_blocks": blocks}])
     assert "parameter 0 in param group 0" in str(info.value)
+
+
+def test_named_groups_that_route_to_one_algorithm():
+    """A group of (name, tensor) pairs all routed to one algorithm leaves the other half empty;
+    it must still count as named, or torch refuses to mix named and unnamed groups."""
+    w, b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))
+    opt = dmuon.Muon([{"params": [("w", w)]}, {"params": [("b", b)]}])
+    assert [g["param_names"] for g in opt.param_groups] == [["w"], [], [], ["b"]]
+    w.grad, b.grad = torch.randn(4, 4), torch.randn(4)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
