@@ -21,6 +21,7 @@ import dmuon
 from dmuon.layout import owned_by
 from dmuon.models import Llama, SyntheticTokens, get_config
 from tests.distributed import run_on_ranks
+from tests.test_distributed_step import error_of
 from tests.test_training_parity import GLOBAL_BATCH, HPARAMS, SEQ_LEN, STEPS, train as train_reference
 
 
@@ -215,34 +216,26 @@ def test_ranks_that_own_nothing(world):
 # ------------------------------------------------------------------ errors
 
 
-def shard_after_fully_shard() -> str:
+def shard_after_fully_shard() -> None:
     model = small_mlp()
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    try:
-        dmuon.shard_by_owner(model)
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    dmuon.shard_by_owner(model)
 
 
 def test_sharding_an_fsdp_model_names_the_parameter():
-    for message in run_on_ranks(2, shard_after_fully_shard):
-        assert "'0.weight'" in message and "before fully_shard" in message
+    for message in run_on_ranks(2, error_of, shard_after_fully_shard):
+        assert message.startswith("ValueError") and "'0.weight'" in message and "before fully_shard" in message
 
 
-def shard_differently() -> str:
-    model = nn.Sequential(nn.Linear(16, 24 + dist.get_rank() % 2), nn.Tanh(), nn.Linear(24 + dist.get_rank() % 2, 16))
-    try:
-        dmuon.shard_by_owner(model)
-    except ValueError as err:
-        return str(err)
-    return "no error"
+def shard_differently() -> None:
+    width = 24 + dist.get_rank() % 2
+    dmuon.shard_by_owner(nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, 16)))
 
 
 def test_ranks_that_disagree_get_the_same_error_before_any_data_moves():
-    messages = run_on_ranks(3, shard_differently)
+    messages = run_on_ranks(3, error_of, shard_differently)
     assert len(set(messages)) == 1, messages
-    assert "Ranks disagree on the owner sharding: owner-sharded parameter '0.weight'" in messages[0]
+    assert "ValueError: Ranks disagree on the owner sharding: owner-sharded parameter '0.weight'" in messages[0]
     assert "(24, 16)" in messages[0] and "(25, 16)" in messages[0] and "rank 1" in messages[0]
 
 
