@@ -16,17 +16,18 @@ updates exist at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.exchange import CommCounter, PendingExchange, start_all_to_all
+from dmuon.exchange import CommCounter, PendingExchange, all_reduce_sum, start_all_to_all
 from dmuon.layout import Layout
-from dmuon.orthogonalization import NSConfig, newton_schulz_flops, orthogonalize
+from dmuon.orthogonalization import NSConfig, newton_schulz_flops, orthogonalize, orthogonalize_column_blocks
 from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, balance_owners, make_plan
 
 
@@ -66,6 +67,9 @@ class MatrixWork:
     # piece of a whole update
     gather_whole: Callable[[], Tensor] | None = None
     local_piece: Callable[[Tensor], Tensor] | None = None
+    # distributed NS: local_input() is this rank's column block (count, m, n_local) of a matrix
+    # whose Gram side is m, and apply() takes this rank's columns of the result
+    column_blocks: bool = False
 
 
 @dataclass
@@ -166,8 +170,12 @@ class Orthogonalizer:
 
     def plans_for(self, works: Sequence[MatrixWork]) -> list[Plan]:
         """The plan of each exchange group (gathered layouts have none: see _run_gathered)."""
-        planned = [w for w in works if not w.layout.gathered]
+        planned = [w for w in works if self._planned(w)]
         return [self.plan_for([planned[i] for i in members]) for members in self._by_group(planned)]
+
+    @staticmethod
+    def _planned(work: MatrixWork) -> bool:
+        return not (work.layout.gathered or work.column_blocks)
 
     def plan_for(self, works: Sequence[MatrixWork]) -> Plan:
         """The (cached) plan of one exchange group's works."""
@@ -188,10 +196,11 @@ class Orthogonalizer:
 
     def run(self, works: Sequence[MatrixWork]) -> None:
         """Orthogonalize every work and hand each rank's piece of the update to ``work.apply``."""
-        planned = [w for w in works if not w.layout.gathered]
+        planned = [w for w in works if self._planned(w)]
         for members in self._by_group(planned):
             self._run_group([planned[i] for i in members])
         self._run_gathered([w for w in works if w.layout.gathered])
+        self._run_column_blocks([w for w in works if w.column_blocks])
         self.stats.bytes_sent = self.counter.bytes_sent
         self.stats.collectives = self.counter.collectives
 
@@ -251,6 +260,21 @@ class Orthogonalizer:
             dist.broadcast(update, src=work.layout.group_ranks[owner], group=group)
             self.counter.collectives += 2
             work.apply(work.local_piece(update.reshape(work.layout.shape)))
+
+    def _run_column_blocks(self, works: list[MatrixWork]) -> None:
+        """Distributed Newton–Schulz: the ranks holding a matrix's column blocks orthogonalize it
+        together (:func:`dmuon.orthogonalization.orthogonalize_column_blocks`); nothing is
+        gathered, and every rank of the group does the small-side recurrence."""
+        for work in works:
+            reduce = partial(all_reduce_sum, group=work.group, counter=self.counter)
+            block = work.local_input().reshape(work.count, work.m, -1)
+            with _Timed(self.stats, block.device):
+                update = orthogonalize_column_blocks(block, work.config, reduce)
+            self.stats.matrices_orthogonalized += work.count
+            self.stats.ns_flops += work.count * newton_schulz_flops(
+                work.m, block.shape[-1], steps=work.config.steps, method=work.config.method,
+                restarts=work.config.restarts, gram_side=work.m)
+            work.apply(update)
 
     def _orthogonalize_owned(self, plan: Plan, k: int, works, pending, me: int) -> dict[int, Tensor]:
         """Assemble, then orthogonalize, the units of bucket k this rank owns; same-shape,

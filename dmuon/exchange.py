@@ -73,6 +73,14 @@ def all_reduce_max(values: Tensor, group: dist.ProcessGroup | None, counter: Com
     return values
 
 
+def all_reduce_sum(values: Tensor, group: dist.ProcessGroup, counter: CommCounter) -> Tensor:
+    """Sum over the group, in place (distributed Newton–Schulz: norms and partial Gram matrices)."""
+    counter.bytes_sent += values.numel() * values.element_size()
+    counter.collectives += 1
+    dist.all_reduce(values, group=group)
+    return values
+
+
 def check_ranks_agree(fingerprint: dict[str, str], group: dist.ProcessGroup, what: str) -> None:
     """Raise the same ValueError on every rank of ``group`` if any rank's ``fingerprint`` differs
     from rank 0's, naming the first differing key (one collective; run before any other)."""

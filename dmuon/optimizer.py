@@ -18,8 +18,8 @@ from torch.optim.adamw import adamw as adamw_update
 from dmuon.engine import Block, MatrixWork, Orthogonalizer, StepStats, unit_of
 from dmuon.exchange import all_reduce_max, check_ranks_agree
 from dmuon.layout import detect_layout, owned_by
-from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, orthogonalize, resolve_config
-from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, split_replicas_is_cheaper
+from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, newton_schulz_flops, orthogonalize, resolve_config
+from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, column_blocks_are_cheaper, split_replicas_is_cheaper
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, block_rows, default_route, matrix_shape, module_roles
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -249,6 +249,7 @@ class Muon(torch.optim.Optimizer):
         comm_dtype: torch.dtype | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         replica_split: bool | None = None,
+        distributed_ns: bool | None = None,
         compile: bool | str | Callable = False,
     ) -> None:
         if nonfinite_grads not in NONFINITE_POLICIES:
@@ -259,6 +260,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Invalid {bucket_bytes=}. Must be a positive int.")
         if replica_split not in (None, True, False):
             raise ValueError(f"Invalid {replica_split=}. Must be None (cost model), True or False.")
+        if distributed_ns not in (None, True, False):
+            raise ValueError(f"Invalid {distributed_ns=}. Must be None (cost model), True or False.")
         if not (isinstance(compile, (bool, str)) or callable(compile)):
             raise ValueError(f"Invalid {compile=}. Must be a bool, or a torch.compile backend (name or callable).")
         defaults = dict(
@@ -282,7 +285,8 @@ class Muon(torch.optim.Optimizer):
         self._process_group = process_group
         self._replica_split = replica_split
         self._split_decisions: dict[tuple, bool] = {}
-        self._engine_options = (comm_dtype, bucket_bytes, replica_split)
+        self._distributed_ns = distributed_ns
+        self._engine_options = (comm_dtype, bucket_bytes, replica_split, distributed_ns)
         self._kernels = compile_kernels("inductor" if compile is True else compile) if compile else None
         self._engine = Orthogonalizer(bucket_bytes, comm_dtype,
                                       orthogonalize_fn=self._kernels.orthogonalize if self._kernels else orthogonalize)
@@ -459,15 +463,18 @@ class Muon(torch.optim.Optimizer):
             Block(r, _ns_config(group, (r, n), p.device.type), adjusted_lr_ratio(group["adjust_lr_fn"], r, n))
             for r in rows
         )
+        form = self._column_block_form(p, layout, process_group, group, blocks, rows_of_p, cols_of_p)
+        if form is not None:  # distributed NS on the ranks' own column blocks
+            count, m, n = 1, *form
+            config = _ns_config(group, form, p.device.type)
+        # the exchange of Shard(1) rows and the column blocks of Shard(0) see the transpose
+        transpose = layout.transposed != (form is not None)
         local = _local(p)
         label = self._group_label(group)
-        local_input = inputs[id(p)]
-        if layout.transposed:
-            local_input = partial(_transposed, inputs[id(p)])
+        local_input = partial(_transposed, inputs[id(p)]) if transpose else inputs[id(p)]
 
         def apply(update: Tensor) -> None:
-            if layout.transposed:
-                update = update.mT
+            update = (update.mT if transpose else update).reshape(local.shape)
             ratio = 1.0 if blocks else adjusted_lr_ratio(group["adjust_lr_fn"], rows_of_p, cols_of_p)
             squares = self._update_squares.setdefault(label, [torch.zeros((), device=local.device), 0])
             squares[0] += update.float().square().sum() * ratio**2  # a device tensor: no sync
@@ -485,9 +492,34 @@ class Muon(torch.optim.Optimizer):
             mesh, placements = p.device_mesh, p.placements
             gather_whole = partial(_gather_whole, local_input, mesh, placements, p.shape, p.stride())
             local_piece = partial(_piece_of, mesh=mesh, placements=placements)
-        local_shape = tuple(local.mT.shape if layout.transposed else local.shape)
+        local_shape = tuple(local.mT.shape if transpose else local.shape)
         return MatrixWork(name, local_input, apply, local_shape, local.dtype, layout, process_group,
-                          count, m, n, config, blocks, gather_whole, local_piece)
+                          count, m, n, config, blocks, gather_whole, local_piece, form is not None)
+
+    def _column_block_form(self, p: Tensor, layout, process_group, group: dict[str, Any], blocks: tuple,
+                           rows: int, cols: int) -> tuple[int, int] | None:
+        """(Gram side, other side) when the ranks holding ``p``'s shards orthogonalize it together
+        on their own column blocks — distributed NS — rather than gather it to an owner; else
+        None. A Shard(1) matrix is split by columns already; a Shard(0) one by the columns of its
+        transpose. The cost model decides unless ``distributed_ns`` says."""
+        eligible = (isinstance(p, DTensor) and p.ndim == 2 and process_group is not None and not blocks
+                    and not layout.gathered and layout.replicas == 1 and layout.shards > 1)
+        if not eligible or self._distributed_ns is False:
+            return None
+        form = (rows, cols) if layout.transposed else (cols, rows)
+        if self._distributed_ns:
+            return form
+        side, other = form
+        whole, split = _ns_config(group, (rows, cols), p.device.type), _ns_config(group, form, p.device.type)
+        all_reduces = 1 + len(split.restarts) if split.method == "gram" else split.steps
+        cheaper = column_blocks_are_cheaper(
+            gather_flops=newton_schulz_flops(rows, cols, steps=whole.steps, method=whole.method, restarts=whole.restarts),
+            blocks_flops=newton_schulz_flops(side, -(-other // layout.shards), steps=split.steps, method=split.method,
+                                             restarts=split.restarts, gram_side=side),
+            matrix_bytes=rows * cols * p.element_size(), gram_bytes=4 * side * side, all_reduces=all_reduces,
+            size=layout.shards, flops_per_byte=self._engine.flops_per_byte,
+        )
+        return form if cheaper else None
 
     def _owner_shardings(self) -> list:
         """The owner shardings (:mod:`dmuon.owner`) of this optimizer's parameters."""

@@ -24,7 +24,7 @@ the property the distributed engine relies on to match the single-process step e
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Union
 
@@ -208,25 +208,30 @@ def normalize(G: Tensor, eps: float = NORMALIZATION_EPS) -> Tensor:
     return X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
 
 
-def _standard(X: Tensor, schedule: Sequence[Coefficients]) -> Tensor:
+def _local_gram(X: Tensor) -> Tensor:
+    return torch.bmm(X, X.mT)
+
+
+def _standard(X: Tensor, schedule: Sequence[Coefficients], gram: Callable[[Tensor], Tensor] = _local_gram) -> Tensor:
     for a, b, c in schedule:
-        A = torch.bmm(X, X.mT)
+        A = gram(X)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
         X = torch.baddbmm(X, B, X, beta=a)  # a·X + B·X
     return X
 
 
-def _gram(X: Tensor, schedule: Sequence[Coefficients], restarts: Sequence[int]) -> Tensor:
+def _gram(X: Tensor, schedule: Sequence[Coefficients], restarts: Sequence[int],
+          gram: Callable[[Tensor], Tensor] = _local_gram) -> Tensor:
     # Z_t = a·I + W_t with W_t = b·R + c·R². The a·I term never goes through a low-precision
     # product: it enters as the beta of baddbmm (Q·Z = a·Q + Q·W, R·Z = a·R + R·W), whose
     # scaling and accumulation the kernel does at its accumulator precision.
-    R = torch.bmm(X, X.mT)
+    R = gram(X)
     Q: Tensor | None = None  # None stands for the identity
     steps = len(schedule)
     for t, (a, b, c) in enumerate(schedule):
         if t in restarts:
             X = torch.bmm(Q, X)
-            R = torch.bmm(X, X.mT)
+            R = gram(X)
             Q = None
         W = torch.baddbmm(R, R, R, beta=b, alpha=c)
         if Q is None:
@@ -308,6 +313,35 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
     return X.reshape(*batch_shape, m, n).to(G.dtype)
 
 
+def orthogonalize_column_blocks(X_local: Tensor, config: NSConfig, all_reduce: Callable[[Tensor], Tensor]) -> Tensor:
+    """Distributed Newton–Schulz of a stack X ``(B, m, n)`` that ranks hold as column blocks
+    ``X_local`` ``(B, m, n_r)``; returns this rank's columns of the result.
+
+    Every product NS needs of the long dimension is a Gram matrix X·Xᵀ = Σ_r X_r·X_rᵀ, and every
+    update is (m×m)·X_r: so the ranks all-reduce the m×m partial Gram matrices (and the squared
+    norms), run the m×m recurrence identically, and apply it to their own columns. Gram NS needs
+    the all-reduce only at the start and at restarts; standard NS at every step. A row-split X
+    goes through as its transpose (``orthogonalize_column_blocks(X_r.mT, ...).mT``), with
+    Gram side n. ``all_reduce(t)`` returns the sum of ``t`` over the ranks (fp32 on the wire:
+    partial sums of low-precision products lose less that way). Equal to :func:`orthogonalize`
+    up to the order of the sums.
+    """
+    if X_local.ndim != 3:
+        raise ValueError(f"orthogonalize_column_blocks takes a stack (B, m, n_local), got shape {tuple(X_local.shape)}.")
+    X = X_local.to(torch.promote_types(X_local.dtype, torch.float32))
+    norms = all_reduce(X.square().sum(dim=(-2, -1), keepdim=True)).sqrt()
+    X = (X / (norms + config.eps)).to(config.dtype)
+
+    def gram(Y: Tensor) -> Tensor:
+        return all_reduce(torch.bmm(Y, Y.mT).float()).to(Y.dtype)
+
+    if config.method == "gram":
+        X = _gram(X, config.schedule, config.restarts, gram)
+    else:
+        X = _standard(X, config.schedule, gram)
+    return X.to(X_local.dtype)
+
+
 def newton_schulz(
     G: Tensor,
     *,
@@ -340,15 +374,17 @@ def newton_schulz(
 
 
 def newton_schulz_flops(
-    m: int, n: int, *, steps: int, method: Method, restarts: Sequence[int] = ()
+    m: int, n: int, *, steps: int, method: Method, restarts: Sequence[int] = (), gram_side: int | None = None
 ) -> int:
     """Dense-GEMM FLOPs of one m×n orthogonalization (one multiply-add = 2 FLOPs).
 
     Counts the products the implementation above runs: standard T·(4m²n + 2m³) for the wide
     orientation; Gram 2·m²n per pass over the long side (initial X·Xᵀ, final Q·X, two per
-    restart) plus 2m³ per m×m product.
+    restart) plus 2m³ per m×m product. ``gram_side``: the side the m×m products are on, when
+    the caller fixes it (:func:`orthogonalize_column_blocks` on a block of n columns);
+    default the smaller one.
     """
-    m, n = min(m, n), max(m, n)
+    m, n = (min(m, n), max(m, n)) if gram_side is None else (gram_side, m * n // gram_side)
     if method == "standard":
         return steps * (4 * m * m * n + 2 * m**3)
     long_passes = 2 + 2 * len(restarts)

@@ -245,6 +245,19 @@ def make_plan(
     return Plan(tuple(units), tuple(owners), tuple(buckets), size, replicas)
 
 
+def column_blocks_are_cheaper(gather_flops: int, blocks_flops: int, matrix_bytes: int, gram_bytes: int,
+                              all_reduces: int, size: int, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> bool:
+    """Should the ``size`` ranks holding a matrix's shards orthogonalize it together on their own
+    column blocks (distributed NS: each rank repeats the small-side recurrence, ``blocks_flops``
+    per rank, and all-reduces ``all_reduces`` Gram matrices of ``gram_bytes``) rather than gather
+    it to one owner (``gather_flops`` there, balanced by LPT against other matrices: a 1/size share
+    per rank, plus the gather and return of ``matrix_bytes``)?"""
+    moved = 2 * (size - 1) / size
+    gather = (gather_flops + flops_per_byte * moved * matrix_bytes) / size
+    blocks = blocks_flops + flops_per_byte * all_reduces * moved * gram_bytes
+    return blocks < gather
+
+
 def split_replicas_is_cheaper(units: Sequence[Unit], flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> bool:
     """HSDP: should the R replica groups split the units between them (each matrix computed
     once, but updates cross replicas) rather than each replica group computing all of them?

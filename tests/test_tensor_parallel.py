@@ -14,14 +14,15 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
+from dmuon.orthogonalization import orthogonalize, orthogonalize_column_blocks, resolve_config
 from tests.distributed import run_on_ranks
 
 HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=torch.float32)
-STEPS, GLOBAL_BATCH = 3, 8
+STEPS, GLOBAL_BATCH = 3, 12  # divisible by every data-parallel size used (2, 3)
 
 
 class MLP(nn.Module):
@@ -44,7 +45,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
-def build(parallel: str | None) -> tuple[nn.Module, dmuon.Muon, int, int]:
+def build(parallel: str | None, **options) -> tuple[nn.Module, dmuon.Muon, int, int]:
     """The MLP under ``parallel`` ("tp": 1-D TP mesh; "fsdp+tp": 2×2 (dp, tp) mesh; None: one
     process), its optimizer, and this rank's data-parallel index and count."""
     model = MLP()
@@ -57,11 +58,14 @@ def build(parallel: str | None) -> tuple[nn.Module, dmuon.Muon, int, int]:
         parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         fully_shard(model, mesh=mesh["dp"])
         dp_rank, dp_size = mesh["dp"].get_local_rank(), 2
-    return model, dmuon.Muon(model, **HPARAMS), dp_rank, dp_size
+    elif parallel == "fsdp":
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        dp_rank, dp_size = dist.get_rank(), dist.get_world_size()
+    return model, dmuon.Muon(model, **HPARAMS, **options), dp_rank, dp_size
 
 
-def train(parallel: str | None) -> dict:
-    model, opt, dp_rank, dp_size = build(parallel)
+def train(parallel: str | None, **options) -> dict:
+    model, opt, dp_rank, dp_size = build(parallel, **options)
     placements_before = {n: tuple(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
     losses = []
     for step in range(STEPS):
@@ -73,7 +77,8 @@ def train(parallel: str | None) -> dict:
         losses.append(loss.item())
     placements_after = {n: tuple(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
     return dict(params={n: full(p) for n, p in model.named_parameters()}, losses=losses,
-                placements=(placements_before, placements_after), matrices=opt.last_step_stats.matrices_orthogonalized)
+                placements=(placements_before, placements_after), matrices=opt.last_step_stats.matrices_orthogonalized,
+                planned=[len(plan.units) for plan in opt.plans])
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +128,92 @@ def test_tensor_parallel_checkpoint_loads_in_one_process(tmp_path):
         assert saved[part].keys() == loaded[part].keys() and saved[part]
         for name in saved[part]:
             assert torch.equal(saved[part][name], loaded[part][name]), (part, name)
+
+
+# ---------------------------------------------------------------- distributed Newton–Schulz
+
+
+def column_blocks_ns(shape: tuple[int, int, int], method: str, rows: bool) -> torch.Tensor:
+    """Every rank orthogonalizes its torch.chunk block of the same stack — of columns, or of
+    rows (through the transpose) — and returns the whole result, reassembled."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    full_input = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    config = resolve_config(shape[-2:] if not rows else shape[-2:][::-1], "cpu", method=method, dtype=torch.float32)
+    dim = -2 if rows else -1
+    mine = full_input.chunk(world, dim=dim)[rank] if rank < len(full_input.chunk(world, dim=dim)) else \
+        full_input.narrow(dim, 0, 0)
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+
+    block = orthogonalize_column_blocks(mine.mT if rows else mine, config, all_reduce)
+    pieces = [None] * world
+    dist.all_gather_object(pieces, block.mT if rows else block)
+    return torch.cat(pieces, dim=dim)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("rows", [False, True])
+def test_column_block_newton_schulz_matches_one_process(world, method, rows):
+    """Column blocks (and row blocks, as the transpose) of 3 wide 24×80 matrices, or 3 tall
+    80×24 ones: the distributed result equals one process's up to the order of the sums."""
+    shape = (3, 80, 24) if rows else (3, 24, 80)
+    expected = orthogonalize(torch.randn(shape, generator=torch.Generator().manual_seed(0)),
+                             resolve_config(shape[-2:], "cpu", method=method, dtype=torch.float32))
+    for result in run_on_ranks(world, column_blocks_ns, shape, method, rows):
+        torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("parallel,world", [("tp", 2), ("tp", 4), ("fsdp", 3)])
+def test_distributed_ns_training_matches_single_process(reference, parallel, world):
+    """``distributed_ns=True``: row-wise TP (column blocks), column-wise TP and FSDP2 (row
+    blocks, as the transpose) — no gather, each rank does the small-side recurrence."""
+    results = run_on_ranks(world, train, parallel, distributed_ns=True)
+    for rank, r in enumerate(results):
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=1e-4, atol=1e-5, msg=f"{rank} {name}")
+        assert r["planned"] == [] and r["matrices"] == 2  # nothing went through the owner exchange
+        assert r["placements"][0] == r["placements"][1]
+
+
+def test_cost_model_chooses_column_blocks_for_very_wide_matrices_only():
+    from dmuon.planner import column_blocks_are_cheaper
+    from dmuon.orthogonalization import newton_schulz_flops
+
+    def cheaper(m: int, n: int, size: int) -> bool:
+        return column_blocks_are_cheaper(
+            newton_schulz_flops(m, n, steps=5, method="standard"),
+            newton_schulz_flops(m, -(-n // size), steps=5, method="standard", gram_side=m),
+            4 * m * n, 4 * m * m, 5, size)
+
+    assert not cheaper(1024, 1024, 8)  # square: the recurrence is all of the work, repeated 8 times
+    assert not cheaper(4096, 14336, 8)  # Llama-3.1-8B's MLP: gather and balance
+    assert cheaper(256, 32768, 8)  # aspect 128: the recurrence is cheap, the gather is not
+
+
+def fsdp_tall_and_square() -> dict:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    init = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate([(4096, 16), (32, 32)])]
+    params = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon"}], **HPARAMS)
+    for p, t in zip(params, init):
+        p.grad = distribute_tensor(t.flip(0).clone(), mesh, [Shard(0)])
+    opt.step()
+    return dict(planned=[[u.m for u in plan.units] for plan in opt.plans], params=[p.full_tensor() for p in params])
+
+
+def test_cost_model_picks_column_blocks_for_a_tall_fsdp_matrix():
+    """FSDP2 at 4 ranks: a 4096×16 matrix is cheaper orthogonalized on the ranks' row blocks
+    (Gram side 16, nothing gathered) than gathered; a 32×32 one goes through the owner exchange."""
+    init = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate([(4096, 16), (32, 32)])]
+    ref_params = [nn.Parameter(t.clone()) for t in init]
+    opt = dmuon.Muon([{"params": ref_params, "algorithm": "muon"}], **HPARAMS)
+    for p, t in zip(ref_params, init):
+        p.grad = t.flip(0).clone()
+    opt.step()
+    for r in run_on_ranks(4, fsdp_tall_and_square):
+        assert r["planned"] == [[32]]
+        for got, expected in zip(r["params"], ref_params):
+            torch.testing.assert_close(got, expected.detach(), rtol=1e-4, atol=1e-5)
