@@ -379,3 +379,40 @@ def test_fused_weights_blocks_match_single_process(layout, world):
         assert all(r["equal"]), (rank, r)
     # 3 + 4 blocks, and 2 stacked matrices of 2 blocks (the stack is local under FSDP2)
     assert sum(r["matrices"] for r in results) == 3 + 4 + 2 * 2
+
+
+def expert_checkpoint(path: str, mesh_shape: tuple[int, ...] | None) -> dict:
+    """Save (sharded over experts on ``mesh_shape``) or load (``None``: one process) a stack and
+    its momentum through torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = nn.Module()
+    stack = full_tensors([(6, 8, 12)], 0)[0]
+    if mesh_shape:
+        stack = distribute_tensor(stack, init_device_mesh("cpu", mesh_shape), [Shard(0)] * len(mesh_shape))
+    model.experts = nn.Parameter(stack)
+    opt = dmuon.Muon(model, **HPARAMS)
+    if mesh_shape:
+        model.experts.grad = distribute_tensor(full_tensors([(6, 8, 12)], 1)[0], model.experts.device_mesh,
+                                               model.experts.placements)
+        opt.step()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    else:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return dict(experts=whole(model.experts), momentum=whole(opt.state[model.experts]["momentum_buffer"]))
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def test_expert_parallel_checkpoint_loads_in_one_process(tmp_path):
+    saved = run_on_ranks(4, expert_checkpoint, str(tmp_path / "ep"), (2, 2))[0]
+    loaded = run_on_ranks(1, expert_checkpoint, str(tmp_path / "ep"), None)[0]
+    assert torch.equal(saved["experts"], loaded["experts"]) and torch.equal(saved["momentum"], loaded["momentum"])
+    assert torch.count_nonzero(loaded["momentum"]) > 0
