@@ -168,6 +168,10 @@ class Orthogonalizer:
             groups.setdefault(key, []).append(i)
         return [groups[key] for key in sorted(groups)]
 
+    def group_indices(self, works: Sequence[MatrixWork]) -> list[list[int]]:
+        """Indices of ``works`` per exchange group (and wire dtype), in the order they run."""
+        return self._by_group(works)
+
     def plans_for(self, works: Sequence[MatrixWork]) -> list[Plan]:
         """The plan of each exchange group (gathered layouts have none: see _run_gathered)."""
         planned = [w for w in works if self._planned(w)]

@@ -19,7 +19,7 @@ from dmuon.engine import Block, MatrixWork, Orthogonalizer, StepStats, unit_of
 from dmuon.exchange import all_reduce_max, check_ranks_agree
 from dmuon.layout import detect_layout, owned_by
 from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, newton_schulz_flops, orthogonalize, resolve_config
-from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, column_blocks_are_cheaper, split_replicas_is_cheaper
+from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, choose_distributed, distributed_cost, split_replicas_is_cheaper
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, block_rows, default_route, matrix_shape, module_roles
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -285,6 +285,7 @@ class Muon(torch.optim.Optimizer):
         self._process_group = process_group
         self._replica_split = replica_split
         self._split_decisions: dict[tuple, bool] = {}
+        self._distribution_decisions: dict[tuple, frozenset[int]] = {}
         self._distributed_ns = distributed_ns
         self._engine_options = (comm_dtype, bucket_bytes, replica_split, distributed_ns)
         self._kernels = compile_kernels("inductor" if compile is True else compile) if compile else None
@@ -432,7 +433,43 @@ class Muon(torch.optim.Optimizer):
 
     def _works(self, entries: list, inputs: dict[int, Callable[[], Tensor]]) -> list[MatrixWork]:
         """The orthogonalization work of Muon parameter ``entries`` (inputs: id → a function
-        computing the local NS input)."""
+        computing the local NS input): each matrix to one owner, or split across its group."""
+        works = self._owned_works(entries, inputs)
+        if self._distributed_ns is False:
+            return works
+        # matrices exchanged within one group of shards (not across replicas) may be split instead
+        split = [self._work(e, inputs, False, True) if w.layout.replicas == 1 and w.layout.shards > 1 else w
+                 for e, w in zip(entries, works)]
+        candidates = [i for i, w in enumerate(split) if w.column_blocks]
+        if not candidates:
+            return works
+        chosen = set(candidates) if self._distributed_ns else self._split_choice(works, split, candidates)
+        return [split[i] if i in chosen else w for i, w in enumerate(works)]
+
+    def _split_choice(self, works: list[MatrixWork], split: list[MatrixWork], candidates: list[int]) -> set[int]:
+        """The cost model's choice (:func:`dmuon.planner.choose_distributed`), per exchange group;
+        cached, as the plans are."""
+        chosen: set[int] = set()
+        for members in self._engine.group_indices(works):
+            units = tuple(unit_of(works[i], self._engine.wire_itemsize(works[i])) for i in members)
+            costs = tuple(self._distributed_cost(split[i]) if i in candidates else None for i in members)
+            if (units, costs) not in self._distribution_decisions:
+                layout = works[members[0]].layout
+                self._distribution_decisions[units, costs] = choose_distributed(
+                    units, costs, layout.size, layout.replicas, bucket_bytes=self._engine.bucket_bytes,
+                    flops_per_byte=self._engine.flops_per_byte)
+            chosen.update(members[j] for j in self._distribution_decisions[units, costs])
+        return chosen
+
+    def _distributed_cost(self, work: MatrixWork) -> float:
+        config, size = work.config, work.layout.shards
+        blocks_flops = work.count * newton_schulz_flops(work.m, -(-work.n // size), steps=config.steps,
+                                                        method=config.method, restarts=config.restarts,
+                                                        gram_side=work.m)
+        all_reduces = 1 + len(config.restarts) if config.method == "gram" else config.steps
+        return distributed_cost(blocks_flops, 4 * work.count * work.m**2, all_reduces, size, self._engine.flops_per_byte)
+
+    def _owned_works(self, entries: list, inputs: dict[int, Callable[[], Tensor]]) -> list[MatrixWork]:
         split = self._replica_split
         if split is None:  # HSDP: the cost model decides whether replicas split the work
             works = [self._work(e, inputs, True) for e in entries]
@@ -446,7 +483,8 @@ class Muon(torch.optim.Optimizer):
             split = False
         return [self._work(e, inputs, split) for e in entries]
 
-    def _work(self, entry, inputs: dict[int, Callable[[], Tensor]], split: bool) -> MatrixWork:
+    def _work(self, entry, inputs: dict[int, Callable[[], Tensor]], split: bool,
+              distributed: bool = False) -> MatrixWork:
         name, p, group, view = entry
         stack = p.ndim == 3 and view in ("auto", "batch")
         layout, process_group = detect_layout(p, name, self._process_group, split, stack)
@@ -463,7 +501,7 @@ class Muon(torch.optim.Optimizer):
             Block(r, _ns_config(group, (r, n), p.device.type), adjusted_lr_ratio(group["adjust_lr_fn"], r, n))
             for r in rows
         )
-        form = self._column_block_form(p, layout, process_group, group, blocks, rows_of_p, cols_of_p)
+        form = self._column_block_form(p, layout, process_group, blocks, rows_of_p, cols_of_p) if distributed else None
         if form is not None:  # distributed NS on the ranks' own column blocks
             count, m, n = 1, *form
             config = _ns_config(group, form, p.device.type)
@@ -496,30 +534,16 @@ class Muon(torch.optim.Optimizer):
         return MatrixWork(name, local_input, apply, local_shape, local.dtype, layout, process_group,
                           count, m, n, config, blocks, gather_whole, local_piece, form is not None)
 
-    def _column_block_form(self, p: Tensor, layout, process_group, group: dict[str, Any], blocks: tuple,
-                           rows: int, cols: int) -> tuple[int, int] | None:
-        """(Gram side, other side) when the ranks holding ``p``'s shards orthogonalize it together
-        on their own column blocks — distributed NS — rather than gather it to an owner; else
-        None. A Shard(1) matrix is split by columns already; a Shard(0) one by the columns of its
-        transpose. The cost model decides unless ``distributed_ns`` says."""
+    @staticmethod
+    def _column_block_form(p: Tensor, layout, process_group, blocks: tuple, rows: int, cols: int) -> tuple[int, int] | None:
+        """(Gram side, other side) if the ranks holding ``p``'s shards can orthogonalize it
+        together on their own column blocks (distributed NS), else None. A Shard(1) matrix is
+        split by columns already; a Shard(0) one by the columns of its transpose."""
         eligible = (isinstance(p, DTensor) and p.ndim == 2 and process_group is not None and not blocks
                     and not layout.gathered and layout.replicas == 1 and layout.shards > 1)
-        if not eligible or self._distributed_ns is False:
+        if not eligible:
             return None
-        form = (rows, cols) if layout.transposed else (cols, rows)
-        if self._distributed_ns:
-            return form
-        side, other = form
-        whole, split = _ns_config(group, (rows, cols), p.device.type), _ns_config(group, form, p.device.type)
-        all_reduces = 1 + len(split.restarts) if split.method == "gram" else split.steps
-        cheaper = column_blocks_are_cheaper(
-            gather_flops=newton_schulz_flops(rows, cols, steps=whole.steps, method=whole.method, restarts=whole.restarts),
-            blocks_flops=newton_schulz_flops(side, -(-other // layout.shards), steps=split.steps, method=split.method,
-                                             restarts=split.restarts, gram_side=side),
-            matrix_bytes=rows * cols * p.element_size(), gram_bytes=4 * side * side, all_reduces=all_reduces,
-            size=layout.shards, flops_per_byte=self._engine.flops_per_byte,
-        )
-        return form if cheaper else None
+        return (rows, cols) if layout.transposed else (cols, rows)
 
     def _owner_shardings(self) -> list:
         """The owner shardings (:mod:`dmuon.owner`) of this optimizer's parameters."""

@@ -245,17 +245,45 @@ def make_plan(
     return Plan(tuple(units), tuple(owners), tuple(buckets), size, replicas)
 
 
-def column_blocks_are_cheaper(gather_flops: int, blocks_flops: int, matrix_bytes: int, gram_bytes: int,
-                              all_reduces: int, size: int, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> bool:
-    """Should the ``size`` ranks holding a matrix's shards orthogonalize it together on their own
-    column blocks (distributed NS: each rank repeats the small-side recurrence, ``blocks_flops``
-    per rank, and all-reduces ``all_reduces`` Gram matrices of ``gram_bytes``) rather than gather
-    it to one owner (``gather_flops`` there, balanced by LPT against other matrices: a 1/size share
-    per rank, plus the gather and return of ``matrix_bytes``)?"""
-    moved = 2 * (size - 1) / size
-    gather = (gather_flops + flops_per_byte * moved * matrix_bytes) / size
-    blocks = blocks_flops + flops_per_byte * all_reduces * moved * gram_bytes
-    return blocks < gather
+def distributed_cost(blocks_flops: int, gram_bytes: int, all_reduces: int, size: int,
+                     flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> float:
+    """Time-equivalent (in FLOPs) that *every* rank of a group of ``size`` pays when a matrix is
+    orthogonalized there with distributed NS on the ranks' own column blocks: its share of the
+    products, the repeated small-side recurrence (``blocks_flops``), and ``all_reduces``
+    all-reduces of ``gram_bytes``."""
+    return blocks_flops + flops_per_byte * all_reduces * 2 * (size - 1) / size * gram_bytes
+
+
+def choose_distributed(units: Sequence[Unit], costs: Sequence[float | None], size: int, replicas: int = 1, *,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                       flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> frozenset[int]:
+    """The units to split across the whole group — distributed NS, each rank paying ``costs[i]``
+    (None: not possible for that unit) — instead of giving each to one owner.
+
+    The candidates are taken costliest first; of the prefixes (split the k costliest, k = 0, 1,
+    …) the one with the lowest makespan wins — the busiest rank's cost: :meth:`Plan.makespan_cost`
+    of the units left to owners plus what every rank pays for the split ones. (Splitting one of
+    two large matrices gains nothing while the other remains the floor; both together may.) It
+    pays when there are fewer matrices than ranks or one matrix is far larger than the rest.
+    """
+    def makespan(split: frozenset[int]) -> float:
+        rest = [u for i, u in enumerate(units) if i not in split]
+        owned = make_plan(rest, size, replicas, bucket_bytes=bucket_bytes,
+                          flops_per_byte=flops_per_byte).makespan_cost(flops_per_byte) if rest else 0.0
+        return owned + sum(costs[i] for i in split)
+
+    candidates = sorted((i for i, c in enumerate(costs) if c is not None),
+                        key=lambda i: (-owner_cost(units[i], size, flops_per_byte), units[i].name))
+    chosen: frozenset[int] = frozenset()
+    best = makespan(chosen)
+    for k in range(1, len(candidates) + 1):
+        trial = frozenset(candidates[:k])
+        if sum(costs[i] for i in trial) >= best:
+            break  # the split units alone already cost more, and more of them only add
+        cost = makespan(trial)
+        if cost < best:
+            chosen, best = trial, cost
+    return chosen
 
 
 def split_replicas_is_cheaper(units: Sequence[Unit], flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> bool:

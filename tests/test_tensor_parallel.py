@@ -178,19 +178,26 @@ def test_distributed_ns_training_matches_single_process(reference, parallel, wor
         assert r["placements"][0] == r["placements"][1]
 
 
-def test_cost_model_chooses_column_blocks_for_very_wide_matrices_only():
-    from dmuon.planner import column_blocks_are_cheaper
+def test_planner_splits_a_matrix_only_when_it_lowers_the_makespan():
+    """Splitting (distributed NS on every rank of the group) pays for one matrix much larger than
+    the rest, and for fewer matrices than ranks; not when there are enough to balance."""
+    from dmuon.layout import Layout
     from dmuon.orthogonalization import newton_schulz_flops
+    from dmuon.planner import Unit, choose_distributed, distributed_cost
 
-    def cheaper(m: int, n: int, size: int) -> bool:
-        return column_blocks_are_cheaper(
-            newton_schulz_flops(m, n, steps=5, method="standard"),
-            newton_schulz_flops(m, -(-n // size), steps=5, method="standard", gram_side=m),
-            4 * m * n, 4 * m * m, 5, size)
+    def unit(name: str, m: int, n: int, size: int) -> tuple[Unit, float]:
+        layout = Layout((m, n), 1, size, tuple(range(size)))
+        full = newton_schulz_flops(m, n, steps=5, method="standard")
+        blocks = newton_schulz_flops(n, -(-m // size), steps=5, method="standard", gram_side=n)  # rows split
+        return Unit(name, layout, 1, m, n, 4, full), distributed_cost(blocks, 4 * n * n, 5, size)
 
-    assert not cheaper(1024, 1024, 8)  # square: the recurrence is all of the work, repeated 8 times
-    assert not cheaper(4096, 14336, 8)  # Llama-3.1-8B's MLP: gather and balance
-    assert cheaper(256, 32768, 8)  # aspect 128: the recurrence is cheap, the gather is not
+    def choice(shapes, size):
+        units, costs = zip(*(unit(f"w{i}", m, n, size) for i, (m, n) in enumerate(shapes)))
+        return choose_distributed(units, costs, size)
+
+    assert choice([(256, 256)] * 64, 8) == frozenset()  # 8 matrices a rank: LPT balances them
+    assert choice([(16384, 256)] + [(256, 256)] * 8, 8) == {0}  # one large tall matrix: split it
+    assert choice([(8192, 512)] * 2, 8) == {0, 1}  # fewer matrices than ranks
 
 
 def fsdp_tall_and_square() -> dict:
