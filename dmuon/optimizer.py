@@ -437,31 +437,32 @@ class Muon(torch.optim.Optimizer):
         works = self._owned_works(entries, inputs)
         if self._distributed_ns is False:
             return works
-        # matrices exchanged within one group of shards (not across replicas) may be split instead
-        split = [self._work(e, inputs, False, True) if w.layout.replicas == 1 and w.layout.shards > 1 else w
-                 for e, w in zip(entries, works)]
-        candidates = [i for i, w in enumerate(split) if w.column_blocks]
-        if not candidates:
+        splittable = [i for i, ((_, p, _, _), w) in enumerate(zip(entries, works))
+                      if self._column_block_form(p, w.layout, w.group, w.blocks, 0, 0) is not None]
+        if not splittable:
             return works
-        chosen = set(candidates) if self._distributed_ns else self._split_choice(works, split, candidates)
-        return [split[i] if i in chosen else w for i, w in enumerate(works)]
+        chosen = set(splittable) if self._distributed_ns else self._split_choice(entries, inputs, works, splittable)
+        return [self._work(e, inputs, False, True) if i in chosen else w for i, (e, w) in enumerate(zip(entries, works))]
 
-    def _split_choice(self, works: list[MatrixWork], split: list[MatrixWork], candidates: list[int]) -> set[int]:
+    def _split_choice(self, entries: list, inputs, works: list[MatrixWork], splittable: list[int]) -> set[int]:
         """The cost model's choice (:func:`dmuon.planner.choose_distributed`), per exchange group;
-        cached, as the plans are."""
+        cached by the group's matrices, as the plans are."""
         chosen: set[int] = set()
         for members in self._engine.group_indices(works):
             units = tuple(unit_of(works[i], self._engine.wire_itemsize(works[i])) for i in members)
-            costs = tuple(self._distributed_cost(split[i]) if i in candidates else None for i in members)
-            if (units, costs) not in self._distribution_decisions:
+            key = (units, tuple(i in splittable for i in members))
+            if key not in self._distribution_decisions:
+                costs = [self._distributed_cost(self._work(entries[i], inputs, False, True)) if i in splittable
+                         else None for i in members]
                 layout = works[members[0]].layout
-                self._distribution_decisions[units, costs] = choose_distributed(
+                self._distribution_decisions[key] = choose_distributed(
                     units, costs, layout.size, layout.replicas, bucket_bytes=self._engine.bucket_bytes,
                     flops_per_byte=self._engine.flops_per_byte)
-            chosen.update(members[j] for j in self._distribution_decisions[units, costs])
+            chosen.update(members[j] for j in self._distribution_decisions[key])
         return chosen
 
     def _distributed_cost(self, work: MatrixWork) -> float:
+        """What every rank of the group pays when ``work`` (in column-block form) is split."""
         config, size = work.config, work.layout.shards
         blocks_flops = work.count * newton_schulz_flops(work.m, -(-work.n // size), steps=config.steps,
                                                         method=config.method, restarts=config.restarts,
