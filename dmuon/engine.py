@@ -16,6 +16,7 @@ updates exist at once.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -254,7 +255,7 @@ class Orthogonalizer:
         me = works[0].layout.group_ranks.index(dist.get_rank())
         for u, (work, owner) in enumerate(zip(works, owners)):
             whole = work.gather_whole().reshape(work.count, work.m, work.n)
-            self.counter.bytes_sent += work.local_input().numel() * whole.element_size() * (size - 1)
+            self.counter.bytes_sent += math.prod(work.local_shape) * whole.element_size() * (size - 1)
             if owner == me:
                 # contiguous: the collective sends memory order (NS hands tall matrices back transposed)
                 update = self._orthogonalize_inputs({u: whole}, works, units)[u].contiguous()
