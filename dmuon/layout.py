@@ -106,6 +106,20 @@ def owned_by(param: Tensor) -> OwnedParam | None:
     return getattr(param, _OWNED_ATTR, None)
 
 
+def counted_here(param: Tensor) -> bool:
+    """Whether this rank's piece of ``param`` (or of its gradient) is the copy that counts in a
+    job-wide sum, so that every element counts exactly once: owner-sharded parameters on their
+    owner; DTensor shards on every rank, but replicated mesh dims at coordinate 0 only; plain
+    (replicated) tensors on rank 0."""
+    owned = owned_by(param)
+    if owned is not None:
+        return owned.is_mine
+    if isinstance(param, DTensor):
+        coordinate = param.device_mesh.get_coordinate() or []
+        return all(c == 0 for c, p in zip(coordinate, param.placements) if p.is_replicate())
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def _splits_dim0_only(placements: tuple) -> bool:
     """Sharded on dim 0 over every mesh dim (plain or strided): every rank holds whole slices
     along dim 0, and no two ranks the same (with a Replicate dim, replicas would repeat the

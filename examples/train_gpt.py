@@ -24,7 +24,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -38,16 +38,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 import dmuon
-from dmuon.layout import owned_by
 from dmuon.models import PRESETS, Llama, LlamaConfig, SyntheticTokens, get_config
 
 PARALLEL = ("ddp", "fsdp2", "hsdp", "owner", "none")
 BETAS = (0.9, 0.95)  # the same for AdamW and for dmuon's AdamW part, so the comparison is fair
-CLIP_EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
 LATEST = "latest"  # --resume without a path: the newest checkpoint in --ckpt-dir
 
 
@@ -172,45 +169,6 @@ def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def _counted_here(param: Tensor) -> bool:
-    """Whether this rank adds ``param``'s local gradient to the global norm: each element of
-    every gradient must be counted exactly once in the whole job."""
-    owned = owned_by(param)
-    if owned is not None:  # whole on its owner; the others hold no gradient
-        return owned.is_mine
-    if isinstance(param, DTensor):  # shards count everywhere, replicas (HSDP) in replica 0 only
-        coordinate = param.device_mesh.get_coordinate() or []
-        return all(c == 0 for c, p in zip(coordinate, param.placements) if p.is_replicate())
-    return dist.get_rank() == 0  # plain tensors are replicated (DDP, owner mode's rest)
-
-
-def clip_grad_norm_distributed(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
-    """Clip gradients by their global L2 norm, as ``torch.nn.utils.clip_grad_norm_`` would on
-    one process holding the whole model; return the norm before clipping.
-
-    Needed for owner sharding, where a rank holds only the gradients of the matrices it owns,
-    so a per-rank norm would miss the others'. Each rank sums the squares of the gradients it
-    counts (:func:`_counted_here`), one all-reduce adds them up, and every rank scales the
-    gradients it holds. ``max_norm <= 0`` only measures. Collective: every rank must call it.
-    """
-    params = list(parameters)
-    for sharding in {id(o.sharding): o.sharding for p in params if (o := owned_by(p)) is not None}.values():
-        sharding.wait_for_gradients()  # the owners' gradients are complete only after it
-    with_grad = [p for p in params if p.grad is not None]
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in with_grad]
-    counted = [g.float().square().sum() for p, g in zip(with_grad, grads) if _counted_here(p)]
-    device = params[0].device if params else torch.device("cpu")
-    total = torch.stack(counted).sum() if counted else torch.zeros((), device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    norm = total.sqrt()
-    if max_norm > 0:
-        scale = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(scale.to(g.dtype))
-    return norm
-
-
 @dataclass
 class StepResult:
     loss: float
@@ -234,7 +192,7 @@ def train_step(model: nn.Module, sharding: dmuon.OwnerSharding | None, optimizer
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) / grad_accum
             loss.backward()
         total += loss.detach()
-    norm = clip_grad_norm_distributed(model.parameters(), clip)
+    norm = dmuon.clip_grad_norm_(model.parameters(), clip)
     _synchronize(device)
     before_step = time.perf_counter()
     optimizer.step()

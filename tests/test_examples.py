@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+import dmuon
 from dmuon.layout import owned_by
 from dmuon.models import Llama, SyntheticTokens, get_config
 from tests.distributed import run_on_ranks
@@ -184,7 +185,7 @@ def clipped_on_ranks(parallel: str) -> tuple[float, dict[str, torch.Tensor]]:
     inputs, targets = SyntheticTokens(config.vocab_size, seed=0).local_batch(
         0, GLOBAL_BATCH, SEQ_LEN, dist.get_rank(), dist.get_world_size())
     F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
-    norm = train_gpt.clip_grad_norm_distributed(model.parameters(), MAX_NORM)
+    norm = dmuon.clip_grad_norm_(model.parameters(), MAX_NORM)
     grads = {name.removeprefix("module."): _full_gradient(p) for name, p in model.named_parameters()}
     return norm.item(), grads
 
