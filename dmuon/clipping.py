@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from dmuon.exchange import all_reduce_sum
 from dmuon.layout import counted_here, owned_by
 
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
@@ -35,7 +36,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
     device = params[0].device if params else torch.device("cpu")
     total = torch.stack(counted).sum() if counted else torch.zeros((), device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
+        all_reduce_sum(total, dist.group.WORLD)
     norm = total.sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)

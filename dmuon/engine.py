@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.exchange import CommCounter, PendingExchange, all_reduce_sum, start_all_to_all
+from dmuon.exchange import CommCounter, PendingExchange, all_reduce_sum, start_all_to_all, start_broadcast
 from dmuon.layout import Layout
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops, orthogonalize, orthogonalize_column_blocks
 from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, balance_owners, make_plan
@@ -256,14 +256,13 @@ class Orthogonalizer:
         for u, (work, owner) in enumerate(zip(works, owners)):
             whole = work.gather_whole().reshape(work.count, work.m, work.n)
             self.counter.bytes_sent += math.prod(work.local_shape) * whole.element_size() * (size - 1)
+            self.counter.collectives += 1  # the gather
             if owner == me:
                 # contiguous: the collective sends memory order (NS hands tall matrices back transposed)
                 update = self._orthogonalize_inputs({u: whole}, works, units)[u].contiguous()
-                self.counter.bytes_sent += update.numel() * update.element_size() * (size - 1)
             else:  # contiguous, as the owner's is (a gathered tensor may come with any strides)
                 update = torch.empty(whole.shape, dtype=whole.dtype, device=whole.device)
-            dist.broadcast(update, src=work.layout.group_ranks[owner], group=group)
-            self.counter.collectives += 2
+            start_broadcast(update, work.layout.group_ranks[owner], group, self.counter).wait()
             work.apply(work.local_piece(update.reshape(work.layout.shape)))
 
     def _run_column_blocks(self, works: list[MatrixWork]) -> None:

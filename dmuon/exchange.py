@@ -64,21 +64,48 @@ def start_all_to_all(
     return PendingExchange(output, recv_splits, work)
 
 
-def all_reduce_max(values: Tensor, group: dist.ProcessGroup | None, counter: CommCounter) -> Tensor:
-    """Element-wise maximum over the group (used to agree on flags before any work)."""
+def all_reduce_max(values: Tensor, group: dist.ProcessGroup | None, counter: CommCounter | None = None) -> Tensor:
+    """Element-wise maximum over the group, in place (flags agreed before any work, the slowest
+    rank's time)."""
     if group is not None:
-        counter.bytes_sent += values.numel() * values.element_size()
-        counter.collectives += 1
+        _count(counter, values.numel() * values.element_size())
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return values
 
 
-def all_reduce_sum(values: Tensor, group: dist.ProcessGroup, counter: CommCounter) -> Tensor:
-    """Sum over the group, in place (distributed Newton–Schulz: norms and partial Gram matrices)."""
-    counter.bytes_sent += values.numel() * values.element_size()
-    counter.collectives += 1
-    dist.all_reduce(values, group=group)
+def all_reduce_sum(values: Tensor, group: dist.ProcessGroup | None, counter: CommCounter | None = None) -> Tensor:
+    """Sum over the group, in place (distributed Newton–Schulz's norms and partial Gram matrices,
+    job-wide statistics and gradient norms)."""
+    if group is not None:
+        _count(counter, values.numel() * values.element_size())
+        dist.all_reduce(values, group=group)
     return values
+
+
+def start_all_reduce_sum(values: Tensor, group: dist.ProcessGroup, counter: CommCounter | None = None) -> dist.Work:
+    """:func:`all_reduce_sum`, asynchronously (replicated gradients under owner sharding)."""
+    _count(counter, values.numel() * values.element_size())
+    return dist.all_reduce(values, group=group, async_op=True)
+
+
+def start_broadcast(values: Tensor, src: int, group: dist.ProcessGroup, counter: CommCounter | None = None
+                    ) -> dist.Work:
+    """Broadcast from global rank ``src``, asynchronously; the sender counts one copy per receiver."""
+    sent = values.numel() * values.element_size() * (dist.get_world_size(group) - 1)
+    _count(counter, sent if dist.get_rank() == src else 0)
+    return dist.broadcast(values, src=src, group=group, async_op=True)
+
+
+def start_reduce(values: Tensor, dst: int, group: dist.ProcessGroup, counter: CommCounter | None = None) -> dist.Work:
+    """Sum onto global rank ``dst``, asynchronously; every other rank counts its contribution."""
+    _count(counter, 0 if dist.get_rank() == dst else values.numel() * values.element_size())
+    return dist.reduce(values, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def _count(counter: CommCounter | None, nbytes: int) -> None:
+    if counter is not None:
+        counter.bytes_sent += nbytes
+        counter.collectives += 1
 
 
 def check_ranks_agree(fingerprint: dict[str, str], group: dist.ProcessGroup, what: str) -> None:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw as adamw_update
 
 from dmuon.engine import Block, MatrixWork, Orthogonalizer, StepStats, unit_of
-from dmuon.exchange import all_reduce_max, check_ranks_agree
+from dmuon.exchange import all_reduce_max, all_reduce_sum, check_ranks_agree
 from dmuon.layout import detect_layout, owned_by
 from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, newton_schulz_flops, orthogonalize, resolve_config
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, choose_distributed, distributed_cost, split_replicas_is_cheaper
@@ -602,9 +602,9 @@ class Muon(torch.optim.Optimizer):
         group = self._agreement_group()
         if all_ranks and group is not None:
             sums, counts, seconds = (t.to(self._collective_device()) for t in (sums, counts, seconds))
-            dist.all_reduce(sums, group=group)
-            dist.all_reduce(counts, group=group)
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_sum(sums, group)
+            all_reduce_sum(counts, group)
+            all_reduce_max(seconds, group)
         out = {}
         for i, label in enumerate(labels):
             numel = sums[len(labels) + i].item()

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dmuon.exchange import CommCounter, check_ranks_agree
+from dmuon.exchange import CommCounter, check_ranks_agree, start_all_reduce_sum, start_broadcast, start_reduce
 from dmuon.layout import OwnedParam, mark_owned
 from dmuon.orthogonalization import newton_schulz_flops, resolve_config
 from dmuon.planner import plan_ownership
@@ -195,10 +195,7 @@ class OwnerSharding:
             flat = torch.cat([p.data.reshape(-1) for p in members])
         else:
             flat = torch.empty(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
-        if sending:
-            self.counter.bytes_sent += flat.numel() * flat.element_size() * (dist.get_world_size(group) - 1)
-        self.counter.collectives += 1
-        return sending, members, flat, dist.broadcast(flat, src=src, group=group, async_op=True)
+        return sending, members, flat, start_broadcast(flat, src, group, self.counter)
 
     @staticmethod
     def _receive(pending: list[tuple]) -> None:
@@ -309,18 +306,13 @@ class OwnerSharding:
         if group is None:
             return flat, None
         if dst != self.rank:
-            self.counter.bytes_sent += flat.numel() * flat.element_size()
             for p in members:
                 p.grad = None
-        self.counter.collectives += 1
-        return flat, dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return flat, start_reduce(flat, dst, group, self.counter)
 
     def _rest_gradient_ready(self, param: nn.Parameter) -> None:
         if self._sync and self.groups.everyone is not None:
-            self.rest_counter.bytes_sent += param.grad.numel() * param.grad.element_size()
-            self.rest_counter.collectives += 1
-            work = dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.groups.everyone, async_op=True)
-            self._rest_reduces.append((param, work))
+            self._rest_reduces.append((param, start_all_reduce_sum(param.grad, self.groups.everyone, self.rest_counter)))
         self._backward_seen = True
         self._rest_ready.add(id(param))
         self._maybe_finish()
@@ -426,7 +418,7 @@ class OwnerSharding:
             everyone = self.groups.everyone
             if sync_module_states and everyone is not None:
                 for p in self.params + self._rest:  # rank 0's initial values everywhere, as DDP does
-                    dist.broadcast(p.data, src=dist.get_global_rank(everyone, 0), group=everyone)
+                    start_broadcast(p.data, dist.get_global_rank(everyone, 0), everyone).wait()
             for layer in self._layers:
                 self._release(layer)
 
