@@ -83,6 +83,7 @@ class _Layer:
     params: list[tuple[str, nn.Parameter]]
     valid_version: int = -1  # the weights' version the local copies hold; -1: freed
     pending: list = field(default_factory=list)  # broadcasts in flight
+    pending_version: int = -1  # the weights' version those broadcasts carry
     replica_pending: list = field(default_factory=list)  # HSDP: updated weights coming from replica 0
     ready: set[int] = field(default_factory=set)  # ids of parameters whose gradient is ready
 
@@ -216,8 +217,17 @@ class OwnerSharding:
                                                                  self.groups.replica))
 
     def _start_broadcast(self, layer: _Layer) -> None:
-        if layer.pending or layer.valid_version == self._version:
+        if layer.pending:
+            if layer.pending_version == self._version:
+                return
+            # A prefetch that the weights outdated (activation checkpointing re-runs forward hooks
+            # in backward, which prefetch layers that will next run after the step): finish it
+            # on every rank, then broadcast afresh.
+            self._receive(layer.pending)
+            layer.pending = []
+        if layer.valid_version == self._version:
             return
+        layer.pending_version = self._version
         if self._replicas_stale:
             self._start_replica_broadcasts()
         self._receive(layer.replica_pending)  # a holder sends only what it has received
@@ -354,6 +364,11 @@ class OwnerSharding:
             p.grad.div_(everyone)
         self._reduces, self._rest_reduces = [], []
         self._layers_done, self._rest_ready = 0, set()
+        for layer in self._layers:
+            if layer.pending:  # prefetched by a recomputation in backward: nothing needs it now
+                self._receive(layer.pending)
+                layer.pending = []
+                self._release(layer)
         self.last_step_bytes, self.rest_bytes = self.counter.bytes_sent, self.rest_counter.bytes_sent
         self.counter.reset()
         self.rest_counter.reset()

@@ -251,3 +251,44 @@ def test_bad_arguments_are_named():
         dmuon.shard_by_owner(model, params=[model[0].bias])
     with pytest.raises(ValueError, match="in two layers"):
         dmuon.shard_by_owner(model, layers=[model, model[0]])
+
+
+class Checkpointed(nn.Module):
+    """A block whose activations are recomputed in backward (its forward hooks fire again there)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
+
+
+def train_checkpointed(reshard_after_forward: bool) -> dict:
+    config = get_config("tiny")
+    model = Llama(config, seed=0)
+    blocks = list(model.layers)
+    model.layers = nn.ModuleList(Checkpointed(b) for b in blocks)
+    dmuon.shard_by_owner(model, layers=blocks, reshard_after_forward=reshard_after_forward)
+    opt = dmuon.Muon(model, **HPARAMS)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = SyntheticTokens(config.vocab_size, seed=0)
+    losses = []
+    for step in range(STEPS):
+        x, y = data.local_batch(step, GLOBAL_BATCH, SEQ_LEN, rank, world)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return dict(losses=losses)
+
+
+@pytest.mark.parametrize("z3", [False, True])
+def test_activation_checkpointing(reference, z3):
+    """Recomputation in backward runs the blocks' forward hooks again: no stale or extra
+    broadcast may leak into the next step."""
+    for r in run_on_ranks(2, train_checkpointed, z3):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-6)
