@@ -523,7 +523,8 @@ def shard_by_owner(
     ``replicate_rest``: keep every other parameter replicated (gradients all-reduced here, like
     DDP); pass False when FSDP2/DDP handles them (``fully_shard(..., ignored_params=sharding.params)``).
 
-    Call it before creating the optimizer and before ``fully_shard``; every rank must call it
+    Call it after moving the model to its device (non-owners' tensors have no storage to move
+    afterwards), before ``fully_shard`` and before creating the optimizer; every rank must call it
     with the same model.
     """
     if not isinstance(model, nn.Module):
