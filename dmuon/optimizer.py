@@ -18,7 +18,9 @@ from torch.optim.adamw import adamw as adamw_update
 from dmuon.engine import Block, MatrixWork, Orthogonalizer, StepStats, unit_of
 from dmuon.exchange import all_reduce_max, all_reduce_sum, check_ranks_agree
 from dmuon.layout import detect_layout, owned_by
-from dmuon.orthogonalization import NORMALIZATION_EPS, NSConfig, newton_schulz_flops, orthogonalize, resolve_config
+from dmuon.orthogonalization import (
+    NORMALIZATION_EPS, SYMMETRIC_PRODUCTS, NSConfig, newton_schulz_flops, orthogonalize, resolve_config,
+)
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, choose_distributed, distributed_cost, split_replicas_is_cheaper
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, block_rows, default_route, matrix_shape, module_roles
 
@@ -180,12 +182,12 @@ def dtype_name(value: torch.dtype | str | None, where: str = "") -> str | None:
     return name
 
 
-def _ns_config(group: dict[str, Any], shape: Sequence[int], device_type: str) -> NSConfig:
+def _ns_config(group: dict[str, Any], shape: Sequence[int], device_type: str, symmetric: str = "torch") -> NSConfig:
     name = dtype_name(group["ns_dtype"])
     return resolve_config(
         shape, device_type, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
         method=group["ns_method"], dtype=getattr(torch, name) if name else None,
-        restarts=group["ns_restarts"], eps=group["eps"],
+        restarts=group["ns_restarts"], eps=group["eps"], symmetric=symmetric,
     )
 
 
@@ -250,6 +252,7 @@ class Muon(torch.optim.Optimizer):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         replica_split: bool | None = None,
         distributed_ns: bool | None = None,
+        symmetric_products: str = "torch",
         compile: bool | str | Callable = False,
     ) -> None:
         if nonfinite_grads not in NONFINITE_POLICIES:
@@ -260,6 +263,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Invalid {bucket_bytes=}. Must be a positive int.")
         if replica_split not in (None, True, False):
             raise ValueError(f"Invalid {replica_split=}. Must be None (cost model), True or False.")
+        if symmetric_products not in SYMMETRIC_PRODUCTS:
+            raise ValueError(f"Invalid {symmetric_products=}. Must be one of {SYMMETRIC_PRODUCTS}.")
         if distributed_ns not in (None, True, False):
             raise ValueError(f"Invalid {distributed_ns=}. Must be None (cost model), True or False.")
         if not (isinstance(compile, (bool, str)) or callable(compile)):
@@ -287,7 +292,8 @@ class Muon(torch.optim.Optimizer):
         self._split_decisions: dict[tuple, bool] = {}
         self._distribution_decisions: dict[tuple, frozenset[int]] = {}
         self._distributed_ns = distributed_ns
-        self._engine_options = (comm_dtype, bucket_bytes, replica_split, distributed_ns)
+        self._symmetric = symmetric_products
+        self._engine_options = (comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products)
         self._kernels = compile_kernels("inductor" if compile is True else compile) if compile else None
         self._engine = Orthogonalizer(bucket_bytes, comm_dtype,
                                       orthogonalize_fn=self._kernels.orthogonalize if self._kernels else orthogonalize)
@@ -492,20 +498,21 @@ class Muon(torch.optim.Optimizer):
         # what NS sees: a local stack's own matrices, or for Shard(1) the transpose
         count, m, n = matrix_shape(layout.shape, view)
         _, rows_of_p, cols_of_p = matrix_shape(p.shape, view)  # the parameter's matrix: its lr factor
-        config = _ns_config(group, (m, n), p.device.type)
+        config = _ns_config(group, (m, n), p.device.type, self._symmetric)
         rows = block_rows(group["ns_blocks"], rows_of_p)
         if len(rows) > 1 and layout.transposed:
             raise NotImplementedError(f"ns_blocks for parameter {name!r}: row blocks of a Shard(1) (row-wise "
                                       "tensor parallel) matrix are not supported.")
         # fused weights: each block is orthogonalized and scaled for its own shape by its owner
         blocks = () if len(rows) == 1 else tuple(
-            Block(r, _ns_config(group, (r, n), p.device.type), adjusted_lr_ratio(group["adjust_lr_fn"], r, n))
+            Block(r, _ns_config(group, (r, n), p.device.type, self._symmetric),
+                  adjusted_lr_ratio(group["adjust_lr_fn"], r, n))
             for r in rows
         )
         form = self._column_block_form(p, layout, process_group, blocks, rows_of_p, cols_of_p) if distributed else None
         if form is not None:  # distributed NS on the ranks' own column blocks
             count, m, n = 1, *form
-            config = _ns_config(group, form, p.device.type)
+            config = _ns_config(group, form, p.device.type, self._symmetric)
         # the exchange of Shard(1) rows and the column blocks of Shard(0) see the transpose
         transpose = layout.transposed != (form is not None)
         local = _local(p)

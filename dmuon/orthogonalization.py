@@ -31,6 +31,8 @@ from typing import Literal, Union
 import torch
 from torch import Tensor
 
+from dmuon.triton_kernels import symmetric_gram, triton_usable
+
 Coefficients = tuple[float, float, float]
 CoefficientsSpec = Union[str, Coefficients, Sequence[Coefficients]]
 Method = Literal["standard", "gram"]
@@ -208,6 +210,9 @@ def normalize(G: Tensor, eps: float = NORMALIZATION_EPS) -> Tensor:
     return X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
 
 
+SYMMETRIC_PRODUCTS = ("torch", "triton")
+
+
 def _local_gram(X: Tensor) -> Tensor:
     return torch.bmm(X, X.mT)
 
@@ -259,6 +264,7 @@ class NSConfig:
     dtype: torch.dtype
     restarts: tuple[int, ...] = ()
     eps: float = NORMALIZATION_EPS
+    symmetric: str = "torch"  # how X·Xᵀ is computed: torch.bmm, or the Triton lower-triangle kernel
 
     @property
     def steps(self) -> int:
@@ -275,8 +281,14 @@ def resolve_config(
     dtype: torch.dtype | None = None,
     restarts: Sequence[int] | None = None,
     eps: float = NORMALIZATION_EPS,
+    symmetric: str = "torch",
 ) -> NSConfig:
     """Validate the user-facing options and resolve them for one matrix shape and device."""
+    if symmetric not in SYMMETRIC_PRODUCTS:
+        raise ValueError(f"Invalid symmetric_products={symmetric!r}. Must be one of {SYMMETRIC_PRODUCTS}.")
+    if symmetric == "triton" and not triton_usable(torch.device(device_type)):
+        raise ValueError("symmetric_products='triton' needs Triton installed and a CUDA device "
+                         f"(or Triton's interpreter, TRITON_INTERPRET=1); got device {device_type!r}.")
     if len(shape) < 2:
         raise ValueError(f"Newton–Schulz needs a matrix or a stack of matrices, got shape {tuple(shape)}.")
     if not eps > 0:
@@ -290,7 +302,7 @@ def resolve_config(
         positions = _validate_restarts(restarts, steps)
     else:
         positions = ()
-    return NSConfig(schedule, resolved, compute_dtype, positions, float(eps))
+    return NSConfig(schedule, resolved, compute_dtype, positions, float(eps), symmetric)
 
 
 def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
@@ -304,10 +316,11 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
     tall = m > n
     if tall:
         X = X.mT
+    gram = symmetric_gram if config.symmetric == "triton" else _local_gram
     if config.method == "gram":
-        X = _gram(X, config.schedule, config.restarts)
+        X = _gram(X, config.schedule, config.restarts, gram)
     else:
-        X = _standard(X, config.schedule)
+        X = _standard(X, config.schedule, gram)
     if tall:
         X = X.mT
     return X.reshape(*batch_shape, m, n).to(G.dtype)

@@ -1,0 +1,58 @@
+"""The Triton symmetric-product kernel (``dmuon.triton_kernels``), tested on CPU through Triton's
+interpreter, as CI runs it: the lower-triangle Gram matrix against ``torch.bmm``, Newton–Schulz
+and a ``dmuon.Muon`` step with ``symmetric_products="triton"`` against the plain path. Skipped,
+with the reason, when Triton is not installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import dmuon
+from dmuon.orthogonalization import orthogonalize, resolve_config
+from dmuon.triton_kernels import symmetric_gram
+
+
+def interpreter_checks() -> None:
+    """Run under TRITON_INTERPRET=1 (the kernels are defined on first use, after it is set)."""
+    torch.manual_seed(0)
+    for shape in [(1, 5, 7), (3, 64, 100), (2, 130, 33)]:  # one tile, exact tiles, ragged tiles
+        X = torch.randn(shape)
+        torch.testing.assert_close(symmetric_gram(X), torch.bmm(X, X.mT), rtol=1e-5, atol=1e-4)
+    G = torch.randn(2, 48, 160)
+    for method in ("standard", "gram"):
+        plain = resolve_config(G.shape, "cpu", method=method, dtype=torch.float32)
+        fast = resolve_config(G.shape, "cpu", method=method, dtype=torch.float32, symmetric="triton")
+        torch.testing.assert_close(orthogonalize(G, fast), orthogonalize(G, plain), rtol=1e-4, atol=1e-5)
+    results = []
+    for symmetric in ("torch", "triton"):
+        torch.manual_seed(1)
+        layer = nn.Linear(96, 32, bias=False)
+        opt = dmuon.Muon(layer, lr=0.05, ns_dtype=torch.float32, symmetric_products=symmetric)
+        layer(torch.randn(8, 96)).square().mean().backward()
+        opt.step()
+        results.append(layer.weight.detach().clone())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(results[0], nn.Linear(96, 32, bias=False).weight)
+
+
+def test_triton_kernel_under_the_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed; pip install triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", "from tests.test_triton import interpreter_checks; interpreter_checks()"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused_early():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process runs Triton's interpreter")
+    with pytest.raises(ValueError, match="symmetric_products='triton' needs Triton"):
+        dmuon.Muon(nn.Linear(8, 8), symmetric_products="triton")
+    with pytest.raises(ValueError, match="Invalid symmetric_products='cublas'"):
+        dmuon.Muon(nn.Linear(8, 8), symmetric_products="cublas")
