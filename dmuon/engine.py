@@ -159,7 +159,7 @@ class Orthogonalizer:
     def wire_itemsize(self, work: MatrixWork) -> int:
         return torch.empty(0, dtype=self.wire_dtype(work)).element_size()
 
-    def _by_group(self, works: Sequence[MatrixWork]) -> list[list[int]]:
+    def group_indices(self, works: Sequence[MatrixWork]) -> list[list[int]]:
         """Work indices per exchange group and wire dtype (a bucket never mixes dtypes), larger
         groups first, then by ranks: the same order on every rank, so no rank waits in one group
         while its peer waits in another."""
@@ -169,14 +169,10 @@ class Orthogonalizer:
             groups.setdefault(key, []).append(i)
         return [groups[key] for key in sorted(groups)]
 
-    def group_indices(self, works: Sequence[MatrixWork]) -> list[list[int]]:
-        """Indices of ``works`` per exchange group (and wire dtype), in the order they run."""
-        return self._by_group(works)
-
     def plans_for(self, works: Sequence[MatrixWork]) -> list[Plan]:
         """The plan of each exchange group (gathered layouts have none: see _run_gathered)."""
         planned = [w for w in works if self._planned(w)]
-        return [self.plan_for([planned[i] for i in members]) for members in self._by_group(planned)]
+        return [self.plan_for([planned[i] for i in members]) for members in self.group_indices(planned)]
 
     @staticmethod
     def _planned(work: MatrixWork) -> bool:
@@ -202,7 +198,7 @@ class Orthogonalizer:
     def run(self, works: Sequence[MatrixWork]) -> None:
         """Orthogonalize every work and hand each rank's piece of the update to ``work.apply``."""
         planned = [w for w in works if self._planned(w)]
-        for members in self._by_group(planned):
+        for members in self.group_indices(planned):
             self._run_group([planned[i] for i in members])
         self._run_gathered([w for w in works if w.layout.gathered])
         self._run_column_blocks([w for w in works if w.column_blocks])

@@ -100,6 +100,13 @@ def _scalar(value: float | Tensor, device: torch.device) -> Tensor:
     return torch.as_tensor(value, dtype=torch.float32, device=device)
 
 
+def _splittable(p: Tensor, layout, process_group, blocks: tuple) -> bool:
+    """Whether the ranks holding ``p``'s shards can orthogonalize it together on their own
+    column blocks (distributed NS): a matrix sharded on one dim over one group, unfused."""
+    return (isinstance(p, DTensor) and p.ndim == 2 and process_group is not None and not blocks
+            and not layout.gathered and layout.replicas == 1 and layout.shards > 1)
+
+
 def _transposed(local_input: Callable[[], Tensor]) -> Tensor:
     return local_input().mT
 
@@ -444,7 +451,7 @@ class Muon(torch.optim.Optimizer):
         if self._distributed_ns is False:
             return works
         splittable = [i for i, ((_, p, _, _), w) in enumerate(zip(entries, works))
-                      if self._column_block_form(p, w.layout, w.group, w.blocks, 0, 0) is not None]
+                      if _splittable(p, w.layout, w.group, w.blocks)]
         if not splittable:
             return works
         chosen = set(splittable) if self._distributed_ns else self._split_choice(entries, inputs, works, splittable)
@@ -509,7 +516,11 @@ class Muon(torch.optim.Optimizer):
                   adjusted_lr_ratio(group["adjust_lr_fn"], r, n))
             for r in rows
         )
-        form = self._column_block_form(p, layout, process_group, blocks, rows_of_p, cols_of_p) if distributed else None
+        # distributed NS on the ranks' own column blocks: (Gram side, other side); a Shard(1)
+        # matrix is split by columns already, a Shard(0) one by the columns of its transpose
+        form = None
+        if distributed and _splittable(p, layout, process_group, blocks):
+            form = (rows_of_p, cols_of_p) if layout.transposed else (cols_of_p, rows_of_p)
         if form is not None:  # distributed NS on the ranks' own column blocks
             count, m, n = 1, *form
             config = _ns_config(group, form, p.device.type, self._symmetric)
@@ -541,17 +552,6 @@ class Muon(torch.optim.Optimizer):
         local_shape = tuple(local.mT.shape if transpose else local.shape)
         return MatrixWork(name, local_input, apply, local_shape, local.dtype, layout, process_group,
                           count, m, n, config, blocks, gather_whole, local_piece, form is not None)
-
-    @staticmethod
-    def _column_block_form(p: Tensor, layout, process_group, blocks: tuple, rows: int, cols: int) -> tuple[int, int] | None:
-        """(Gram side, other side) if the ranks holding ``p``'s shards can orthogonalize it
-        together on their own column blocks (distributed NS), else None. A Shard(1) matrix is
-        split by columns already; a Shard(0) one by the columns of its transpose."""
-        eligible = (isinstance(p, DTensor) and p.ndim == 2 and process_group is not None and not blocks
-                    and not layout.gathered and layout.replicas == 1 and layout.shards > 1)
-        if not eligible:
-            return None
-        return (rows, cols) if layout.transposed else (cols, rows)
 
     def _owner_shardings(self) -> list:
         """The owner shardings (:mod:`dmuon.owner`) of this optimizer's parameters."""

@@ -421,9 +421,9 @@ class OwnerSharding:
                     lambda param, i=index: self._gradient_ready(i, param)))
         for p in self._rest:
             self._handles.append(p.register_post_accumulate_grad_hook(self._rest_gradient_ready))
-        holders = {id(m): m for m in self.model.modules()
-                   if any(id(p) in self._owner_of for p in m.parameters(recurse=False))}
-        for module in holders.values():
+        holding_modules = {id(m): m for m in self.model.modules()
+                           if any(id(p) in self._owner_of for p in m.parameters(recurse=False))}
+        for module in holding_modules.values():
             # partial: torch marks hooks with an attribute, which bound methods cannot take
             self._handles.append(module.register_state_dict_post_hook(partial(OwnerSharding._drop_unowned, self)))
             self._handles.append(module.register_load_state_dict_pre_hook(

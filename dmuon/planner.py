@@ -180,10 +180,15 @@ def owner_cost(unit: Unit, size: int, flops_per_byte: float) -> float:
     return unit.flops + flops_per_byte * moved
 
 
+def costliest_first(costs: Sequence[float], names: Sequence[str]) -> list[int]:
+    """Item indices by decreasing cost, ties broken by name: never by the order items came in."""
+    return sorted(range(len(costs)), key=lambda i: (-costs[i], names[i]))
+
+
 def balance_owners(costs: Sequence[float], names: Sequence[str], size: int) -> tuple[list[int], list[int]]:
     """LPT: give each item, costliest first (ties broken by name), to the position with the least
     load so far. Returns (owner of each item, the order items were placed in)."""
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], names[i]))
+    order = costliest_first(costs, names)
     least_loaded = [(0.0, p) for p in range(size)]  # a heap: (load, position)
     owners = [0] * len(costs)
     for i in order:
@@ -224,8 +229,7 @@ def make_plan(
     if owners is None:
         owners, order = balance_owners(costs, [u.name for u in units], size)
     else:
-        owners = list(owners)
-        order = sorted(range(len(units)), key=lambda i: (-costs[i], units[i].name))
+        owners, order = list(owners), costliest_first(costs, [u.name for u in units])
     # Buckets hold about ``bucket_bytes`` of NS input *per owner*: a bucket closes only when an
     # owner that already has work in it would go over, so every bucket gives every rank work
     # (one LPT round at least) and NS runs on all ranks at once, even when one matrix alone is
@@ -272,8 +276,8 @@ def choose_distributed(units: Sequence[Unit], costs: Sequence[float | None], siz
                           flops_per_byte=flops_per_byte).makespan_cost(flops_per_byte) if rest else 0.0
         return owned + sum(costs[i] for i in split)
 
-    candidates = sorted((i for i, c in enumerate(costs) if c is not None),
-                        key=lambda i: (-owner_cost(units[i], size, flops_per_byte), units[i].name))
+    owner_costs = [owner_cost(u, size, flops_per_byte) for u in units]
+    candidates = [i for i in costliest_first(owner_costs, [u.name for u in units]) if costs[i] is not None]
     chosen: frozenset[int] = frozenset()
     best = makespan(chosen)
     for k in range(1, len(candidates) + 1):

@@ -70,7 +70,7 @@ def step_parity(layout: str, shapes, steps: int, replica_split, comm_dtype=None,
     opt = dmuon.Muon([{"params": params, "algorithm": "muon"}], replica_split=replica_split,
                      comm_dtype=comm_dtype, **HPARAMS)
     ref = ReferenceMuon(ref_params, **HPARAMS)
-    stats, expected = [], []
+    stats = []
     for step in range(steps):
         grads = full_tensors(shapes, seed=100 + step)
         for p, r, g in zip(params, ref_params, grads):

@@ -31,7 +31,7 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def muon_bytes(model: nn.Module, sharding: dmuon.OwnerSharding) -> int:
+def muon_bytes(sharding: dmuon.OwnerSharding) -> int:
     return sum(p.numel() * p.element_size() for p in sharding.params)
 
 
@@ -93,7 +93,7 @@ def train_owner(reshard_after_forward: bool = False, accumulate: int = 1, with_f
             value = p.detach().clone() if owned.is_mine else torch.empty(p.shape, dtype=p.dtype)
             dist.broadcast(value, src=owned.owner)
         params[name] = value
-    return dict(losses=losses, params=params, step_bytes=step_bytes, muon_bytes=muon_bytes(model, sharding),
+    return dict(losses=losses, params=params, step_bytes=step_bytes, muon_bytes=muon_bytes(sharding),
                 seen=seen_before_forward, memory=memory, owners=sorted(set(sharding.owners.values())))
 
 

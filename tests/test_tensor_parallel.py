@@ -140,8 +140,8 @@ def column_blocks_ns(shape: tuple[int, int, int], method: str, rows: bool) -> to
     full_input = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     config = resolve_config(shape[-2:] if not rows else shape[-2:][::-1], "cpu", method=method, dtype=torch.float32)
     dim = -2 if rows else -1
-    mine = full_input.chunk(world, dim=dim)[rank] if rank < len(full_input.chunk(world, dim=dim)) else \
-        full_input.narrow(dim, 0, 0)
+    chunks = full_input.chunk(world, dim=dim)  # torch.chunk may give fewer chunks than ranks
+    mine = chunks[rank] if rank < len(chunks) else full_input.narrow(dim, 0, 0)
 
     def all_reduce(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
