@@ -18,7 +18,10 @@ Assumptions, each stated where it is used:
   cost). Ring collectives cross nodes at the inter-node bandwidth once N exceeds a node.
 * Element-wise phases are memory-bound: bytes per element counted from the kernels that
   dmuon/optimizer.py, dmuon/engine.py, torch's AdamW and the FSDP2/DDP wrappers run (constants
-  below). Forward+backward wall time = products + wrapper copies, with the data-parallel
+  below), at the workload's ``elementwise_efficiency`` of the profile's rates: 1 on GPUs; on a
+  CPU, where a real step's kernels meet cold caches, fresh allocations and per-call dispatch
+  that the profile's streaming benchmark does not, the share one rank's measured optimizer
+  step reaches. Forward+backward wall time = products + wrapper copies, with the data-parallel
   collectives hidden behind them where the hardware overlaps communication (GPUs) and added
   where it does not (CPU).
 * Ring collectives reach the link bandwidth times the profile's efficiency for their kind
@@ -158,6 +161,10 @@ class Workload:
     tokens_per_rank: int = DEFAULT_TOKENS_PER_RANK
     seq_len: int = DEFAULT_SEQ_LEN
     mfu: float | None = None  # None: the profile's
+    # share of the profile's element-wise rates (memory bandwidth, check rate) the optimizer's
+    # element-wise phases reach in a real step: 1 on GPUs (memory-bound, an assumption); on a
+    # CPU measured from one rank's step (:func:`dmuon.simulate.measured_elementwise_efficiency`)
+    elementwise_efficiency: float = 1.0
     wire_itemsize: int = 4  # dmuon's default comm dtype: the (fp32) gradient's
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
@@ -167,6 +174,8 @@ class Workload:
         if self.world_size < 1 or self.tokens_per_rank < 1 or self.seq_len < 1:
             raise ValueError(f"Invalid workload: world_size={self.world_size}, tokens_per_rank="
                              f"{self.tokens_per_rank}, seq_len={self.seq_len}; all must be >= 1.")
+        if not 0 < self.elementwise_efficiency <= 1:
+            raise ValueError(f"Invalid elementwise_efficiency={self.elementwise_efficiency!r}. Must be in (0, 1].")
         if self.model_flops_utilization is None or not 0 < self.model_flops_utilization <= 1:
             raise ValueError(f"Invalid MFU {self.model_flops_utilization!r} for {self.profile.name}: "
                              "give one in (0, 1] (the CPU profile has none; measure it).")
@@ -235,7 +244,7 @@ def ns_seconds(flops: float, config: NSConfig, workload: Workload) -> float:
 
 def memory_seconds(nbytes: float, workload: Workload) -> float:
     """An element-wise (memory-bound) phase moving ``nbytes`` on one rank."""
-    return nbytes / (workload.profile.memory_bandwidth * workload.share)
+    return nbytes / (workload.profile.memory_bandwidth * workload.elementwise_efficiency * workload.share)
 
 
 def check_seconds(elements: float | Tensor, workload: Workload) -> float | Tensor:
@@ -245,7 +254,7 @@ def check_seconds(elements: float | Tensor, workload: Workload) -> float | Tenso
     rate = workload.profile.check_rate
     if rate is None:
         return memory_seconds(CHECK_BYTES * elements, workload)
-    return elements / (rate * workload.share)
+    return elements / (rate * workload.elementwise_efficiency * workload.share)
 
 
 def link(workload: Workload) -> tuple[float, float]:

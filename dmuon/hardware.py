@@ -17,7 +17,8 @@ What a profile claims, and what it leaves out:
 * ``cores`` (CPU only): the ranks of a node time-share its cores with each other and with
   ``busy_cores`` worth of other jobs, so each rank thread gets ``(cores − busy)/(ranks·threads)``
   of a core (at most one), at ``parallel_efficiency`` of its alone-speed once several run at
-  once (shared caches, memory, clocks). This scales compute, memory and loopback rates alike:
+  once (shared caches, memory, clocks, the scheduler's unfairness among more processes than
+  cores; measured per process count, gated by the slowest process). This scales compute, memory and loopback rates alike:
   gloo's loopback copies run on the same cores.
 * ``collective_efficiency``: the share of the link bandwidth a ring all-gather, reduce-scatter
   or all-reduce reaches per ring byte (NCCL: assumed 1; gloo: measured).
@@ -28,6 +29,7 @@ What a profile claims, and what it leaves out:
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import statistics
@@ -64,7 +66,8 @@ class HardwareProfile:
     mfu: float | None = None  # default forward+backward FLOPs utilization; None: measure it
     train_dtype: torch.dtype = torch.bfloat16  # dtype of the forward/backward products
     cores: int | None = None
-    parallel_efficiency: float = 1.0
+    # (processes, efficiency) measured (CPU); between counts, the largest count not above applies
+    parallel_efficiency: tuple[tuple[int, float], ...] = ()
     busy_cores: float = 0.0  # other jobs' CPU use to expect (measured: during the profiling or a run)
     threads: int = 1  # threads per rank the rates were measured with (CPU)
     comm_overlaps_compute: bool = True
@@ -83,8 +86,12 @@ class HardwareProfile:
         if self.cores is None:
             return 1.0
         threads = ranks_on_node * self.threads
-        efficiency = self.parallel_efficiency if threads > 1 else 1.0
-        return min(1.0, max(self.cores - self.busy_cores, 0.1) / threads) * efficiency
+        return min(1.0, max(self.cores - self.busy_cores, 0.1) / threads) * self.efficiency_of(threads)
+
+    def efficiency_of(self, processes: int) -> float:
+        """:attr:`parallel_efficiency` with ``processes`` running at once (1 alone)."""
+        measured = [e for count, e in self.parallel_efficiency if count <= processes]
+        return measured[-1] if measured and processes > 1 else 1.0
 
     def ring_efficiency(self, kind: str) -> float:
         """Fraction of the link bandwidth a ring ``kind`` (:data:`RING_BYTES`) reaches."""
@@ -217,13 +224,16 @@ def _products_worker(barrier, results, m: int, k: int, reps: int, trials: int) -
         results.put(time.perf_counter() - start)
 
 
-def measure_parallel_efficiency(cores: int, m: int = 512, k: int = 2048, reps: int = 8,
-                                trials: int = 3) -> tuple[float, float]:
-    """(efficiency, other jobs' cores): ``cores`` single-threaded *processes* — as the ranks are
-    — run bf16 products at once; the rate of each over the rate of one alone, corrected for the
-    CPU other jobs took meanwhile (:class:`OtherJobsCpu`); the best of ``trials``, with the load
-    of the last. (Threads of one process are no stand-in: on this machine two threads' bf16
-    products reached 0.53 of two processes' rate, which reach 0.92.)
+def measure_parallel_efficiency(cores: int, processes: int, m: int = 512, k: int = 2048, reps: int = 8,
+                                trials: int = 5) -> tuple[float, float]:
+    """(efficiency, other jobs' cores): ``processes`` single-threaded *processes* — as the ranks
+    are — run the same bf16 products at once on ``cores`` cores; the efficiency is the rate at
+    which the slowest of them finishes (a synchronous step waits for its slowest rank) over
+    what a fair share of the free cores would give, ``min(1, free cores / processes)`` of one
+    process alone. The median of ``trials`` (``dmuon bench`` reports medians), corrected for the
+    CPU other jobs took in each (:class:`OtherJobsCpu`); with the load of the last. (Threads of
+    one process are no stand-in: on this machine two threads' bf16 products reached 0.53 of two
+    processes' rate, which reach 0.92.)
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -232,22 +242,23 @@ def measure_parallel_efficiency(cores: int, m: int = 512, k: int = 2048, reps: i
     finally:
         torch.set_num_threads(previous)
     ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(cores + 1), ctx.Queue()
+    barrier, results = ctx.Barrier(processes + 1), ctx.Queue()
     workers = [ctx.Process(target=_products_worker, args=(barrier, results, m, k, reps, trials), daemon=True)
-               for _ in range(cores)]
+               for _ in range(processes)]
     for worker in workers:
         worker.start()
-    best = 0.0
+    efficiencies = []
     try:
         for _ in range(trials):
             barrier.wait(timeout=120)  # every worker started and warmed up
             with OtherJobsCpu() as others:
-                together = max(results.get(timeout=120) for _ in range(cores))
-            best = max(best, alone / together / max(min(cores, cores - others.cores_used) / cores, 0.1 / cores))
+                slowest = max(results.get(timeout=120) for _ in range(processes))
+            fair_share = min(1.0, max(cores - others.cores_used, 0.1) / processes)
+            efficiencies.append(alone / fair_share / slowest)
     finally:
         for worker in workers:
             worker.join(timeout=30)
-    return min(1.0, best), others.cores_used
+    return min(1.0, statistics.median(efficiencies)), others.cores_used
 
 
 class OtherJobsCpu:
@@ -414,7 +425,8 @@ def measure_cpu_profile(threads: int = 1) -> HardwareProfile:
     try:
         with OtherJobsCpu() as others:
             torch.set_num_threads(1)
-            efficiency, _ = measure_parallel_efficiency(machine_cores)
+            efficiency = tuple((count, measure_parallel_efficiency(machine_cores, count)[0])
+                               for count in sorted({machine_cores, 2 * machine_cores}))
             torch.set_num_threads(threads)
             bf16, fp32 = measure_matmul_flops(torch.bfloat16), measure_matmul_flops(torch.float32)
             fp16 = measure_matmul_flops(torch.float16, m=256, k=1024)  # often emulated on CPUs: slow
@@ -424,33 +436,54 @@ def measure_cpu_profile(threads: int = 1) -> HardwareProfile:
     finally:
         torch.set_num_threads(previous)
     busy = others.cores_used
-    # the two loopback ranks shared the cores: per rank, with a core of its own
-    bandwidth /= min(1.0, machine_cores / (2 * threads)) * efficiency
-    return HardwareProfile(
+    efficiencies = ", ".join(f"{e:.2f} at {count} processes" for count, e in efficiency)
+    profile = HardwareProfile(
         "cpu", "cpu", bf16_flops=bf16, fp16_flops=fp16, fp32_flops=fp32, memory_bandwidth=memory,
         intra_bandwidth=bandwidth, intra_latency=latency, inter_bandwidth=bandwidth, inter_latency=latency,
         ranks_per_node=None, matmul_efficiency=1.0, mfu=None, train_dtype=torch.float32, cores=machine_cores,
         parallel_efficiency=efficiency, busy_cores=busy, threads=threads, comm_overlaps_compute=False,
         collective_efficiency=tuple(sorted(collective_efficiency.items())), check_rate=check,
-        source=f"measured on this machine ({machine_cores} cores at {efficiency:.2f} parallel efficiency, "
+        source=f"measured on this machine ({machine_cores} cores, parallel efficiency {efficiencies}; "
                f"{busy:.2f} busy with other jobs; {threads} thread(s) per rank; gloo loopback)",
     )
+    # the two loopback ranks shared the cores: per rank, with a core of its own
+    per_rank = bandwidth / profile.share(2)
+    return dataclasses.replace(profile, intra_bandwidth=per_rank, inter_bandwidth=per_rank)
 
 
-def measure_forward_backward_seconds(config: LlamaConfig, batch: int, seq_len: int, threads: int = 1,
-                                     reps: int = 5) -> float:
-    """Fastest seconds of one forward+backward of ``Llama(config)`` on ``batch``×``seq_len`` tokens,
-    in one process on the CPU, fp32 (what ``dmuon bench`` runs on every rank)."""
+@dataclass(frozen=True)
+class OneRankSeconds:
+    """One rank alone training ``Llama(config)`` as ``dmuon bench`` does (fastest of a few steps)."""
+
+    forward_backward: float
+    optimizer_step: float  # dmuon.Muon with its defaults (AdamW on what is not a matrix)
+    newton_schulz: float  # of which the Newton–Schulz calls (normalization and casts included)
+
+
+def measure_one_rank_seconds(config: LlamaConfig, batch: int, seq_len: int, threads: int = 1,
+                             reps: int = 5) -> OneRankSeconds:
+    """Time forward+backward and ``dmuon.Muon``'s step of ``Llama(config)`` on ``batch``×``seq_len``
+    tokens in one process on the CPU, fp32 — what every rank of ``dmuon bench`` runs. Each step
+    follows a backward, as in training, so the optimizer meets the caches a backward leaves."""
+    from dmuon.optimizer import Muon  # the cost model's layer sits above the optimizer
+
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         model = Llama(config)
+        optimizer = Muon(model, lr=1e-3)
         inputs, targets = SyntheticTokens(config.vocab_size).batch(0, batch, seq_len)
-
-        def step() -> None:
-            model.zero_grad(set_to_none=True)
+        forward_backward, optimizer_step = float("inf"), (float("inf"), 0.0)
+        for rep in range(reps + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
             model.loss(inputs, targets).backward()
-
-        return _best_seconds(step, reps)
+            middle = time.perf_counter()
+            optimizer.step()
+            end = time.perf_counter()
+            if rep:
+                forward_backward = min(forward_backward, middle - start)
+                optimizer_step = min(optimizer_step, (end - middle, optimizer.last_step_stats.ns_seconds))
+        return OneRankSeconds(forward_backward, *optimizer_step)
     finally:
         torch.set_num_threads(previous)

@@ -18,13 +18,13 @@ from dmuon.costmodel import (
     DEFAULT_SEQ_LEN, DEFAULT_TOKENS_PER_RANK, MODES, Workload, build_plan, load_model_config,
     measured_mfu, muon_params,
 )
-from dmuon.hardware import HARDWARE_NAMES, get_profile, measure_forward_backward_seconds
+from dmuon.hardware import HARDWARE_NAMES, HardwareProfile, get_profile, measure_one_rank_seconds
 from dmuon.models import LlamaConfig, matrix_shapes, param_count
 from dmuon.planner import DEFAULT_BUCKET_BYTES
-from dmuon.simulate import Prediction, predict
+from dmuon.simulate import Prediction, measured_elementwise_efficiency, predict
 
 PER_RANK_TABLE_MAX = 16  # world sizes up to this print one row per rank
-CPU_MEASURE_MAX_PARAMS = 200_000_000  # largest model whose forward+backward `--hardware cpu` times
+CPU_MEASURE_MAX_PARAMS = 200_000_000  # largest model of which `--hardware cpu` times a training step
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,15 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the prediction as one JSON record")
 
 
-def cpu_mfu(config: LlamaConfig, tokens_per_rank: int, seq_len: int, threads: int) -> float:
-    """The MFU of this CPU on one rank's forward+backward of ``config``, measured now."""
+def measure_cpu_rank(config: LlamaConfig, tokens_per_rank: int, seq_len: int, profile: HardwareProfile,
+                     mfu: float | None) -> tuple[float, float]:
+    """(MFU, element-wise efficiency) of this CPU, measured now on one rank training ``config``
+    alone; a given ``mfu`` is kept."""
     if param_count(config) > CPU_MEASURE_MAX_PARAMS:
-        raise SystemExit(f"--hardware cpu measures the forward+backward, which is too big here "
-                         f"({param_count(config) / 1e9:.2f} B parameters): pass --mfu")
+        raise SystemExit(f"--hardware cpu times one rank's training step, which is too big here "
+                         f"({param_count(config) / 1e9:.2f} B parameters): pass --layers")
     seq = min(seq_len, tokens_per_rank)
     batch = max(1, tokens_per_rank // seq)
-    seconds = measure_forward_backward_seconds(config, batch, seq, threads)
-    return measured_mfu(config, batch * seq, seq, seconds, get_profile("cpu", threads))
+    alone = measure_one_rank_seconds(config, batch, seq, profile.threads)
+    mfu = mfu or measured_mfu(config, batch * seq, seq, alone.forward_backward, profile)
+    one_rank = Workload(config, 1, "ddp", profile, batch * seq, seq, mfu)
+    return mfu, measured_elementwise_efficiency(one_rank, alone.optimizer_step, alone.newton_schulz)
 
 
 def balance_summary(prediction: Prediction) -> str:
@@ -80,7 +84,8 @@ def predictions_table(p: Prediction) -> str:
         lines.append(f"{name:<24} {opt:>14.1f} {step:>10.1f} {step / p.adamw_step_ms - 1:>+9.1%}")
     lines += [
         f"{'dmuon lower bound':<24} {p.lower_bound_opt_ms:>14.1f}",
-        f"forward+backward products {p.forward_backward_ms:.1f} ms at MFU {p.mfu:.2f}; "
+        f"forward+backward products {p.forward_backward_ms:.1f} ms at MFU {p.mfu:.2f}; element-wise phases at "
+        f"{p.elementwise_efficiency:.2f} of the profile's rates; "
         f"data-parallel collectives {p.data_parallel_comm_ms:.1f} ms",
         f"dmuon vs vanilla Muon: optimizer step {p.opt_speedup_vs_vanilla:.2f}x faster, "
         f"step {p.step_speedup_vs_vanilla:.2f}x faster",
@@ -95,11 +100,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"need --world-size >= 1 and at least one token per rank, got {args.world_size} "
                          f"ranks and {tokens} tokens")
     profile = get_profile(args.hardware, args.threads)
-    mfu = args.mfu
-    if mfu is None and profile.mfu is None:
-        mfu = cpu_mfu(config, tokens // args.world_size, args.seq_len, args.threads)
+    mfu, efficiency = args.mfu, 1.0
+    if profile.device_type == "cpu":
+        mfu, efficiency = measure_cpu_rank(config, tokens // args.world_size, args.seq_len, profile, args.mfu)
     workload = Workload(config, args.world_size, args.mode, profile, tokens // args.world_size, args.seq_len,
-                        mfu, bucket_bytes=args.bucket_bytes)
+                        mfu, efficiency, bucket_bytes=args.bucket_bytes)
     prediction = predict(workload, args.model)
     print(f"dmuon plan: {args.model} ({param_count(config) / 1e9:.2f} B parameters, "
           f"{muon_params(config) / 1e9:.2f} B in {len(matrix_shapes(config))} Muon matrices), "

@@ -26,6 +26,7 @@ The simulation is deterministic, O(buckets · ranks), and is the optimizer term 
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import Counter
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from dmuon.costmodel import (
     APPLY_BYTES, MOMENTUM_BYTES, NESTEROV_BYTES, Workload, adamw_params,
     adamw_seconds, adamw_step_seconds, build_plan, check_seconds, compute_seconds, data_parallel_copy_seconds,
     data_parallel_seconds, exposed_step_seconds, forward_backward_seconds, local_params, memory_seconds,
-    ns_prep_bytes, ns_seconds, pack_bytes, vanilla_muon_step_seconds,
+    normalize_bytes, ns_prep_bytes, ns_seconds, pack_bytes, vanilla_muon_step_seconds,
 )
 from dmuon.orthogonalization import NSConfig
 from dmuon.planner import Plan
@@ -241,6 +242,22 @@ def simulate_optimizer_step(plan: Plan, configs: tuple[NSConfig, ...], workload:
     return streams.now
 
 
+def measured_elementwise_efficiency(workload: Workload, optimizer_step: float, newton_schulz: float) -> float:
+    """The share of the profile's element-wise rates a real optimizer step reaches, from one rank
+    alone stepping the workload's model (:func:`dmuon.hardware.measure_one_rank_seconds`): the
+    step's element-wise phases as simulated at full rates, over what the measured step took
+    beyond its Newton–Schulz calls (whose normalization and casts are therefore left out of
+    the simulated side too). At most 1."""
+    alone = dataclasses.replace(workload, world_size=1, elementwise_efficiency=1.0)
+    plan, configs = build_plan(alone)
+    newton_schulz_modelled = sum(
+        ns_seconds(u.flops, c, alone) + memory_seconds(u.count * u.m * u.n * normalize_bytes(c.dtype), alone)
+        for u, c in zip(plan.units, configs))
+    elementwise = simulate_optimizer_step(plan, configs, alone).max().item() - newton_schulz_modelled
+    measured = optimizer_step - newton_schulz
+    return min(1.0, elementwise / measured) if measured > 0 else 1.0
+
+
 def total_traffic(costs: list[BucketCost], size: int) -> Traffic:
     """Bytes per rank and link summed over every collective of the step."""
     total = Traffic.zeros(size)
@@ -274,6 +291,7 @@ class Prediction:
     tokens_per_rank: int
     seq_len: int
     mfu: float
+    elementwise_efficiency: float
     ns_recipe: str
     buckets: int
     ns_gflop_total: float
@@ -332,7 +350,8 @@ def predict(workload: Workload, model: str = "") -> Prediction:
     return Prediction(
         model=model, mode=workload.mode, hardware=workload.profile.name,
         world_size=size, tokens_per_rank=workload.tokens_per_rank, seq_len=workload.seq_len,
-        mfu=workload.model_flops_utilization, ns_recipe=ns_recipe(plan, configs), buckets=len(plan.buckets),
+        mfu=workload.model_flops_utilization, elementwise_efficiency=workload.elementwise_efficiency,
+        ns_recipe=ns_recipe(plan, configs), buckets=len(plan.buckets),
         ns_gflop_total=sum(u.flops for u in plan.units) / 1e9,
         ns_gflop_per_rank=_spread([plan.flops(p) / 1e9 for p in range(size)]),
         mb_sent_per_rank=_spread(sent), imbalance=plan.imbalance,

@@ -14,14 +14,16 @@ import torch
 from dmuon.cli import main
 from dmuon.costmodel import (
     Workload, build_plan, config_from_hf, data_parallel_collectives, forward_backward_flops,
-    load_model_config, measured_mfu, muon_params,
+    load_model_config, measured_mfu, memory_seconds, muon_params, normalize_bytes, ns_seconds,
 )
 from dmuon.hardware import (
-    PROFILES, OtherJobsCpu, get_profile, measure_cpu_profile, measure_forward_backward_seconds,
+    PROFILES, OtherJobsCpu, get_profile, measure_cpu_profile, measure_one_rank_seconds,
 )
 from dmuon.models import get_config, matrix_shapes, param_count
 from dmuon.orthogonalization import newton_schulz_flops, resolve_config
-from dmuon.simulate import bucket_costs, predict, simulate_optimizer_step, total_traffic
+from dmuon.simulate import (
+    bucket_costs, measured_elementwise_efficiency, predict, simulate_optimizer_step, total_traffic,
+)
 
 H100 = PROFILES["h100"]
 
@@ -55,11 +57,13 @@ def test_cpu_profile_is_measured_and_cached():
     assert profile.device_type == "cpu" and profile.train_dtype == torch.float32 and profile.mfu is None
     assert profile.bf16_flops > 1e9 and profile.fp32_flops > 1e9 and profile.memory_bandwidth > 1e9
     assert profile.intra_bandwidth > 1e7 and profile.intra_latency >= 0 and not profile.comm_overlaps_compute
-    assert 0 < profile.parallel_efficiency <= 1 and profile.cores >= 1
+    assert [count for count, _ in profile.parallel_efficiency] == sorted({profile.cores, 2 * profile.cores})
+    assert all(0 < e <= 1 for _, e in profile.parallel_efficiency) and profile.efficiency_of(1) == 1.0
     # the non-finite check is measured on CPU (compute-bound there), memory-bound on GPUs
     assert profile.check_rate > 1e7 and all(p.check_rate is None for p in PROFILES.values())
-    crowded = dataclasses.replace(profile, cores=2, busy_cores=0.0, parallel_efficiency=1.0)
-    assert crowded.share(1) == crowded.share(2) == 1.0 and crowded.share(4) == 0.5
+    crowded = dataclasses.replace(profile, cores=2, busy_cores=0.0, parallel_efficiency=((2, 0.9), (4, 0.8)))
+    assert crowded.share(1) == 1.0 and crowded.share(2) == pytest.approx(crowded.share(3) * 3 / 2) == 0.9
+    assert crowded.share(4) == pytest.approx(crowded.share(6) * 6 / 4) == 0.5 * 0.8
 
 
 # ---------------------------------------------------------------------------- formulas
@@ -122,6 +126,25 @@ def test_owner_mode_moves_nothing_in_the_optimizer():
     p = predict(workload(world=64, mode="owner"))
     assert p.mb_sent_per_rank == (0.0, 0.0, 0.0)
     assert p.dmuon_opt_ms < predict(workload(world=64)).dmuon_opt_ms
+
+
+def test_elementwise_efficiency_scales_only_the_elementwise_phases():
+    cpu = dataclasses.replace(H100, name="cpu", device_type="cpu", comm_overlaps_compute=False)
+    w = workload("bench", 1, "ddp", cpu, layers=2, tokens_per_rank=64, seq_len=64)
+    plan, configs = build_plan(w)
+    full = simulate_optimizer_step(plan, configs, w).max().item()
+    products = sum(ns_seconds(u.flops, c, w) for u, c in zip(plan.units, configs))
+    halved = dataclasses.replace(w, elementwise_efficiency=0.5)
+    assert simulate_optimizer_step(plan, configs, halved).max().item() == pytest.approx(2 * full - products)
+    # measured: the step's element-wise part took twice what the full rates give → 0.5
+    normalize = sum(memory_seconds(u.m * u.n * normalize_bytes(c.dtype), w) for u, c in zip(plan.units, configs))
+    elementwise = full - products - normalize
+    assert measured_elementwise_efficiency(w, products + normalize + 2 * elementwise, products + normalize) == \
+        pytest.approx(0.5)
+    assert measured_elementwise_efficiency(w, 1.0, 1.0) == 1.0  # nothing beyond NS: no evidence of a shortfall
+    assert measured_elementwise_efficiency(w, products + normalize + elementwise / 2, products + normalize) == 1.0
+    with pytest.raises(ValueError, match="elementwise_efficiency=0"):
+        dataclasses.replace(w, elementwise_efficiency=0)
 
 
 # ---------------------------------------------------------------------------- simulator
@@ -205,6 +228,12 @@ def test_plan_command(tmp_path, capsys):
                  "--tokens-per-step", str(512 * 4096)]) == 0
     text = capsys.readouterr().out
     assert "owner" in text and "median" in text and "rank  matrices" not in text
+    # cpu: the MFU and the element-wise efficiency are measured on one rank, now
+    assert main(["plan", "--model", "bench", "--layers", "1", "--world-size", "2", "--hardware", "cpu",
+                 "--tokens-per-step", "128", "--seq-len", "64", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert 0 < record["mfu"] <= 1 and 0 < record["elementwise_efficiency"] <= 1 and record["dmuon_opt_ms"] > 0
+    assert "element-wise phases at" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------- validation
@@ -220,14 +249,19 @@ def test_cpu_predictions_match_bench_at_2_and_4_ranks(tmp_path):
     step times within ±25 % (bench preset at 2 layers, one 64-token sequence per rank).
 
     Inputs measured here and nowhere fitted: the CPU profile (product, memory and gloo rates of
-    one rank alone), the forward+backward of one rank alone (its MFU), and the CPU other jobs
-    took during each bench run's steps (this machine is shared; the ranks get what is left).
+    one rank alone), one rank alone training the model (the MFU of its forward+backward, the
+    element-wise efficiency of its optimizer step), and the CPU other jobs took during each
+    bench run's steps (this machine is shared; the ranks get what is left).
     """
     config, batch, seq, steps = get_config("bench", n_layers=2), 1, 64, 8
     with OtherJobsCpu() as others:
         profile = measure_cpu_profile.__wrapped__(1)  # fresh: the machine as it is now
-        mfu = measured_mfu(config, batch * seq, seq, measure_forward_backward_seconds(config, batch, seq), profile)
-    rows, errors = [f"profile: {profile}", f"forward+backward MFU {mfu:.3f}"], []
+        alone = measure_one_rank_seconds(config, batch, seq)
+    mfu = measured_mfu(config, batch * seq, seq, alone.forward_backward, profile)
+    efficiency = measured_elementwise_efficiency(Workload(config, 1, "ddp", profile, batch * seq, seq, mfu),
+                                                 alone.optimizer_step, alone.newton_schulz)
+    rows, errors = [f"profile: {profile}", f"one rank alone: {alone}; forward+backward MFU {mfu:.3f}, "
+                    f"element-wise efficiency {efficiency:.3f}"], []
     if others.cores_used > BUSY_LIMIT * profile.cores:
         pytest.skip(f"other jobs took {others.cores_used:.2f} cores while the profile was measured")
     for world in (2, 4):
@@ -241,7 +275,7 @@ def test_cpu_predictions_match_bench_at_2_and_4_ranks(tmp_path):
             # the steps run last, after the ranks start: the load that matters is the run's tail
             busy = others.cores_used_in_last((steps + 1) * measured["step_ms"] / 1e3 + 1.0)
             during = dataclasses.replace(profile, busy_cores=busy)
-            p = predict(Workload(config, world, mode, during, batch * seq, seq, mfu))
+            p = predict(Workload(config, world, mode, during, batch * seq, seq, mfu, efficiency))
             for what, predicted, actual in (("opt step", p.dmuon_opt_ms, measured["opt_step_ms"]),
                                             ("step", p.dmuon_step_ms, measured["step_ms"])):
                 errors.append(predicted / actual - 1)
