@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon.exchange import CommCounter, PendingExchange, all_reduce_sum, start_all_to_all, start_broadcast
-from dmuon.layout import Layout
+from dmuon.layout import Layout, chunk_sizes
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops, orthogonalize, orthogonalize_column_blocks
 from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, balance_owners, make_plan
 
@@ -71,6 +71,8 @@ class MatrixWork:
     # distributed NS: local_input() is this rank's column block (count, m, n_local) of a matrix
     # whose Gram side is m, and apply() takes this rank's columns of the result
     column_blocks: bool = False
+    # split over a gang of positions of the exchange group (planner.choose_gangs); empty: not
+    gang: tuple[int, ...] = ()
 
 
 @dataclass
@@ -83,6 +85,7 @@ class StepStats:
     ns_flops: int = 0
     bytes_sent: int = 0
     collectives: int = 0
+    gangs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # split matrices: name → global ranks
     # Newton–Schulz time: host seconds on CPU, (start, end) CUDA event pairs on CUDA, read lazily
     _ns_spans: list = field(default_factory=list)
 
@@ -132,6 +135,85 @@ def _rows(full: Tensor, layout: Layout, shard: int) -> Tensor:
     return full.reshape(layout.shape)[start : start + layout.chunk_rows(shard)].reshape(-1)
 
 
+class _GangSlices:
+    """Who holds what of a matrix split over a gang (exchange orientation: m×n, rows sharded
+    over ``layout.shards``; position p holds shard p mod S). Member j of the gang works on slice
+    j of the long side — columns if the matrix is wide, rows if it is tall — which it gets from
+    the shards of its own replica, and returns every position that position's rows of it."""
+
+    def __init__(self, work: MatrixWork) -> None:
+        self.layout, self.gang = work.layout, work.gang
+        self.m, self.n = work.m, work.n
+        self.wide = self.m <= self.n
+        self.short = min(self.m, self.n)
+        shards = self.layout.shards
+        self.row_starts = [0]
+        for rows in chunk_sizes(self.m, shards):
+            self.row_starts.append(self.row_starts[-1] + rows)
+        self.slice_starts = [0]
+        for size in chunk_sizes(self.n if self.wide else self.m, len(self.gang)):
+            self.slice_starts.append(self.slice_starts[-1] + size)
+
+    def replica(self, position: int) -> range:
+        """The positions of ``position``'s replica: together they hold every row, in order."""
+        first = position // self.layout.shards * self.layout.shards
+        return range(first, first + self.layout.shards)
+
+    def same_replica(self, a: int, b: int) -> bool:
+        return a // self.layout.shards == b // self.layout.shards
+
+    def sources(self, member: int) -> list[int]:
+        return [p for p in self.replica(member) if p != member]
+
+    def _rows(self, position: int) -> tuple[int, int]:
+        shard = position % self.layout.shards
+        return self.row_starts[shard], self.row_starts[shard + 1]
+
+    def _overlap(self, position: int, j: int) -> tuple[int, int]:
+        """Tall: the rows of slice j that ``position`` holds (global row indices)."""
+        start, stop = self._rows(position)
+        low = max(start, self.slice_starts[j])
+        return low, max(low, min(stop, self.slice_starts[j + 1]))
+
+    def input_shape(self, position: int, j: int) -> tuple[int, int]:
+        """Shape of what ``position`` contributes to member j's slice."""
+        if self.wide:
+            start, stop = self._rows(position)
+            return stop - start, self.slice_starts[j + 1] - self.slice_starts[j]
+        start, stop = self._overlap(position, j)
+        return stop - start, self.n
+
+    def input_numel(self, position: int, j: int) -> int:
+        return math.prod(self.input_shape(position, j))
+
+    def input_piece(self, local: Tensor, position: int, j: int) -> Tensor:
+        """Of ``position``'s rows (``local``), the part member j works on."""
+        local = local.reshape(-1, self.n)
+        if self.wide:
+            return local[:, self.slice_starts[j] : self.slice_starts[j + 1]]
+        start, stop = self._overlap(position, j)
+        first = self._rows(position)[0]
+        return local[start - first : stop - first]
+
+    def to_column_block(self, piece: Tensor) -> Tensor:
+        """A slice in the form distributed NS takes (Gram side first), and back."""
+        return piece if self.wide else piece.mT
+
+    def update_shape(self, position: int, j: int) -> tuple[int, int]:
+        return self.input_shape(position, j)  # the same rows and columns, going back
+
+    def update_numel(self, position: int, j: int) -> int:
+        return self.input_numel(position, j)
+
+    def update_piece(self, update: Tensor, position: int, j: int) -> Tensor:
+        """Of member j's slice of the update, ``position``'s rows."""
+        if self.wide:
+            start, stop = self._rows(position)
+            return update[start:stop]
+        start, stop = self._overlap(position, j)
+        return update[start - self.slice_starts[j] : stop - self.slice_starts[j]]
+
+
 class Orthogonalizer:
     """Orthogonalizes a list of :class:`MatrixWork` across ranks; one per optimizer.
 
@@ -152,6 +234,7 @@ class Orthogonalizer:
         self.counter = CommCounter()
         self.stats = StepStats()
         self._plans: dict[tuple, Plan] = {}
+        self._gang_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
     def wire_dtype(self, work: MatrixWork) -> torch.dtype:
         return self.comm_dtype or work.dtype
@@ -176,7 +259,7 @@ class Orthogonalizer:
 
     @staticmethod
     def _planned(work: MatrixWork) -> bool:
-        return not (work.layout.gathered or work.column_blocks)
+        return not (work.layout.gathered or work.column_blocks or work.gang)
 
     def plan_for(self, works: Sequence[MatrixWork]) -> Plan:
         """The (cached) plan of one exchange group's works."""
@@ -197,6 +280,9 @@ class Orthogonalizer:
 
     def run(self, works: Sequence[MatrixWork]) -> None:
         """Orthogonalize every work and hand each rank's piece of the update to ``work.apply``."""
+        split = [w for w in works if w.gang]
+        for members in self.group_indices(split):
+            self._run_gangs([split[i] for i in members])
         planned = [w for w in works if self._planned(w)]
         for members in self.group_indices(planned):
             self._run_group([planned[i] for i in members])
@@ -275,6 +361,88 @@ class Orthogonalizer:
                 work.m, block.shape[-1], steps=work.config.steps, method=work.config.method,
                 restarts=work.config.restarts, gram_side=work.m)
             work.apply(update)
+
+    def _run_gangs(self, works: list[MatrixWork]) -> None:
+        """Matrices split over gangs (one exchange group's; gangs disjoint): each member receives
+        its slice of the long side from the shards of its replica (one all-to-all for all), the
+        gang runs distributed NS on the slices (Gram side the short one, all-reduced in the
+        gang), and each member sends every rank its rows of its slice of the update (a second
+        all-to-all)."""
+        group, size = works[0].group, works[0].layout.size
+        me = works[0].layout.group_ranks.index(dist.get_rank())
+        slices = [_GangSlices(w) for w in works]
+        # this rank's rows, where a member of the gang is in its replica (itself included)
+        local = {i: w.local_input() for i, (w, sl) in enumerate(zip(works, slices))
+                 if any(sl.same_replica(member, me) for member in w.gang)}
+        sends: list[list[Tensor]] = [[] for _ in range(size)]
+        recv_splits = [0] * size
+        for i, (work, sl) in enumerate(zip(works, slices)):
+            for j, member in enumerate(work.gang):
+                if member == me:
+                    for source in sl.sources(me):
+                        recv_splits[source] += sl.input_numel(source, j)
+                elif sl.same_replica(member, me):
+                    sends[member].append(sl.input_piece(local[i], me, j))
+        received = start_all_to_all(sends, recv_splits, group, me, self.wire_dtype(works[0]), self.counter).wait()
+        offsets = [0] * size
+        results: dict[int, Tensor] = {}
+        for i, (work, sl) in enumerate(zip(works, slices)):
+            if me not in work.gang:
+                continue
+            j = work.gang.index(me)
+            pieces = []
+            for source in sl.replica(me):
+                if source == me:
+                    pieces.append(sl.input_piece(local[i], me, j).to(self.wire_dtype(work)))
+                    continue
+                numel = sl.input_numel(source, j)
+                pieces.append(received[source][offsets[source] : offsets[source] + numel]
+                              .reshape(sl.input_shape(source, j)))
+                offsets[source] += numel
+            block = torch.cat(pieces)  # this member's slice, rows in order
+            reduce = partial(all_reduce_sum, group=self._gang_group(work), counter=self.counter)
+            with _Timed(self.stats, block.device):
+                update = orthogonalize_column_blocks(sl.to_column_block(block)[None], work.config, reduce)[0]
+            results[i] = sl.to_column_block(update)  # the transpose is its own inverse
+            self.stats.matrices_orthogonalized += 1
+            self.stats.gangs[work.name] = tuple(work.layout.group_ranks[p] for p in work.gang)
+            self.stats.ns_flops += newton_schulz_flops(
+                sl.short, update.shape[-1], steps=work.config.steps, method=work.config.method,
+                restarts=work.config.restarts, gram_side=sl.short)
+        sends = [[] for _ in range(size)]
+        recv_splits = [0] * size
+        for i, (work, sl) in enumerate(zip(works, slices)):
+            for j, member in enumerate(work.gang):
+                if member == me:
+                    for p in range(size):
+                        if p != me:
+                            sends[p].append(sl.update_piece(results[i], p, j))
+                else:
+                    recv_splits[member] += sl.update_numel(me, j)
+        received = start_all_to_all(sends, recv_splits, group, me, self.wire_dtype(works[0]), self.counter).wait()
+        offsets = [0] * size
+        for i, (work, sl) in enumerate(zip(works, slices)):
+            parts = []
+            for j, member in enumerate(work.gang):
+                if member == me:
+                    parts.append(sl.update_piece(results[i], me, j))
+                    continue
+                numel = sl.update_numel(me, j)
+                parts.append(received[member][offsets[member] : offsets[member] + numel]
+                             .reshape(sl.update_shape(me, j)))
+                offsets[member] += numel
+            work.apply(torch.cat(parts, dim=1 if sl.wide else 0).reshape(work.local_shape))
+
+    def _gang_group(self, work: MatrixWork) -> dist.ProcessGroup:
+        """The process group of ``work``'s gang: the exchange group itself when the gang is all of
+        it, else one group per distinct set of ranks, made once by its members alone
+        (``use_local_synchronization``: ranks outside the gang take no part)."""
+        ranks = tuple(work.layout.group_ranks[p] for p in work.gang)
+        if len(ranks) == work.layout.size:
+            return work.group
+        if ranks not in self._gang_groups:
+            self._gang_groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        return self._gang_groups[ranks]
 
     def _orthogonalize_owned(self, plan: Plan, k: int, works, pending, me: int) -> dict[int, Tensor]:
         """Assemble, then orthogonalize, the units of bucket k this rank owns; same-shape,

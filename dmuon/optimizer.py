@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -19,9 +19,13 @@ from dmuon.engine import Block, MatrixWork, Orthogonalizer, StepStats, unit_of
 from dmuon.exchange import all_reduce_max, all_reduce_sum, check_ranks_agree
 from dmuon.layout import detect_layout, owned_by
 from dmuon.orthogonalization import (
-    NORMALIZATION_EPS, SYMMETRIC_PRODUCTS, NSConfig, newton_schulz_flops, orthogonalize, resolve_config,
+    NORMALIZATION_EPS, SYMMETRIC_PRODUCTS, NSConfig, gram_all_reduces, newton_schulz_flops, orthogonalize,
+    resolve_config,
 )
-from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, choose_distributed, distributed_cost, split_replicas_is_cheaper
+from dmuon.planner import (
+    DEFAULT_BUCKET_BYTES, Plan, choose_distributed, choose_gangs, distributed_cost, gang_member_cost,
+    split_replicas_is_cheaper,
+)
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, block_rows, default_route, matrix_shape, module_roles
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -105,6 +109,13 @@ def _splittable(p: Tensor, layout, process_group, blocks: tuple) -> bool:
     column blocks (distributed NS): a matrix sharded on one dim over one group, unfused."""
     return (isinstance(p, DTensor) and p.ndim == 2 and process_group is not None and not blocks
             and not layout.gathered and layout.replicas == 1 and layout.shards > 1)
+
+
+def _gang_eligible(work: MatrixWork) -> bool:
+    """Whether ``work`` could be split over a gang (:meth:`Orthogonalizer._run_gangs`): one
+    unfused matrix of a planned exchange group of several ranks."""
+    return (work.group is not None and work.layout.size > 1 and not work.layout.gathered and not work.column_blocks
+            and not work.blocks and work.count == 1 and len(work.layout.shape) == 2)
 
 
 def _transposed(local_input: Callable[[], Tensor]) -> Tensor:
@@ -298,6 +309,7 @@ class Muon(torch.optim.Optimizer):
         self._replica_split = replica_split
         self._split_decisions: dict[tuple, bool] = {}
         self._distribution_decisions: dict[tuple, frozenset[int]] = {}
+        self._gang_decisions: dict[tuple, dict[int, tuple[int, ...]]] = {}
         self._distributed_ns = distributed_ns
         self._symmetric = symmetric_products
         self._engine_options = (comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products)
@@ -452,10 +464,29 @@ class Muon(torch.optim.Optimizer):
             return works
         splittable = [i for i, ((_, p, _, _), w) in enumerate(zip(entries, works))
                       if _splittable(p, w.layout, w.group, w.blocks)]
-        if not splittable:
-            return works
-        chosen = set(splittable) if self._distributed_ns else self._split_choice(entries, inputs, works, splittable)
-        return [self._work(e, inputs, False, True) if i in chosen else w for i, (e, w) in enumerate(zip(entries, works))]
+        if splittable:
+            chosen = set(splittable) if self._distributed_ns else self._split_choice(entries, inputs, works, splittable)
+            works = [self._work(e, inputs, False, True) if i in chosen else w
+                     for i, (e, w) in enumerate(zip(entries, works))]
+        return works if self._distributed_ns else self._gang_choice(works)
+
+    def _gang_choice(self, works: list[MatrixWork]) -> list[MatrixWork]:
+        """The cost model's choice of matrices to split over gangs of ranks
+        (:func:`dmuon.planner.choose_gangs`), per exchange group; cached as the plans are."""
+        eligible = [i for i, w in enumerate(works) if _gang_eligible(w)]
+        for members in self._engine.group_indices([works[i] for i in eligible]):
+            group_works = [works[eligible[i]] for i in members]
+            units = tuple(unit_of(w, self._engine.wire_itemsize(w)) for w in group_works)
+            if units not in self._gang_decisions:
+                layout = group_works[0].layout
+                fpb = self._engine.flops_per_byte
+                configs = [w.config for w in group_works]
+                self._gang_decisions[units] = choose_gangs(
+                    units, lambda i, k: gang_member_cost(units[i], configs[i], k, fpb), layout.size, layout.replicas,
+                    flops_per_byte=fpb)
+            for j, gang in self._gang_decisions[units].items():
+                works[eligible[members[j]]] = replace(works[eligible[members[j]]], gang=gang)
+        return works
 
     def _split_choice(self, entries: list, inputs, works: list[MatrixWork], splittable: list[int]) -> set[int]:
         """The cost model's choice (:func:`dmuon.planner.choose_distributed`), per exchange group;
@@ -480,8 +511,8 @@ class Muon(torch.optim.Optimizer):
         blocks_flops = work.count * newton_schulz_flops(work.m, -(-work.n // size), steps=config.steps,
                                                         method=config.method, restarts=config.restarts,
                                                         gram_side=work.m)
-        all_reduces = 1 + len(config.restarts) if config.method == "gram" else config.steps
-        return distributed_cost(blocks_flops, 4 * work.count * work.m**2, all_reduces, size, self._engine.flops_per_byte)
+        return distributed_cost(blocks_flops, 4 * work.count * work.m**2, gram_all_reduces(config), size,
+                                self._engine.flops_per_byte)
 
     def _owned_works(self, entries: list, inputs: dict[int, Callable[[], Tensor]]) -> list[MatrixWork]:
         split = self._replica_split

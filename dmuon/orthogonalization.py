@@ -326,6 +326,12 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
     return X.reshape(*batch_shape, m, n).to(G.dtype)
 
 
+def gram_all_reduces(config: NSConfig) -> int:
+    """Gram-matrix all-reduces :func:`orthogonalize_column_blocks` makes: Gram NS at the start
+    and at each restart, standard NS at every step."""
+    return 1 + len(config.restarts) if config.method == "gram" else config.steps
+
+
 def orthogonalize_column_blocks(X_local: Tensor, config: NSConfig, all_reduce: Callable[[Tensor], Tensor]) -> Tensor:
     """Distributed Newton–Schulz of a stack X ``(B, m, n)`` that ranks hold as column blocks
     ``X_local`` ``(B, m, n_r)``; returns this rank's columns of the result.

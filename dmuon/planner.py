@@ -21,13 +21,14 @@ every bucket, and transient memory per rank stays bounded.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
 
 from dmuon.layout import Layout, chunk_sizes
+from dmuon.orthogonalization import NSConfig, gram_all_reduces, newton_schulz_flops
 
 DEFAULT_BUCKET_BYTES = 8 * 2**20
 # Cost-model exchange rate: one byte moved by the owner costs as much time as this many FLOPs
@@ -288,6 +289,76 @@ def choose_distributed(units: Sequence[Unit], costs: Sequence[float | None], siz
         if cost < best:
             chosen, best = trial, cost
     return chosen
+
+
+def gang_member_cost(unit: Unit, config: NSConfig, k: int, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE
+                     ) -> float | None:
+    """Time-equivalent (in FLOPs) each member of a gang of ``k`` pays for orthogonalizing
+    ``unit`` together (:func:`choose_gangs`): its NS products — on its slice of the long side,
+    and the short-side recurrence every member repeats — the all-reduces of the short-side
+    Gram matrix (fp32), and receiving its slice and sending its update back. None where the
+    long side has fewer rows or columns than members."""
+    short, long = sorted((unit.m, unit.n))
+    if k > long:
+        return None
+    member_flops = unit.count * newton_schulz_flops(short, -(-long // k), steps=config.steps, method=config.method,
+                                                    restarts=config.restarts, gram_side=short)
+    slice_bytes = unit.count * short * -(-long // k) * unit.itemsize
+    return (distributed_cost(member_flops, 4 * unit.count * short**2, gram_all_reduces(config), k, flops_per_byte)
+            + flops_per_byte * 2 * slice_bytes)
+
+
+def choose_gangs(units: Sequence[Unit], gang_costs: Callable[[int, int], float | None], size: int,
+                 replicas: int = 1, *, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> dict[int, tuple[int, ...]]:
+    """The units to split over *gangs* of ranks, and each one's gang (positions): unit index →
+    positions. ``gang_costs(i, k)`` is what each member pays for unit i in a gang of k
+    (:func:`gang_member_cost`), None where unit i cannot be split.
+
+    The split units run first, each gang on its own ranks, all gangs at once (gangs are
+    disjoint: consecutive positions, k each); then the other units go to owners as usual. The
+    makespan of a choice is the costliest gang, plus every position sending its rows of the
+    split units and receiving its rows of their updates, plus the busiest position's load from
+    the rest (LPT, as :func:`make_plan`; its bytes estimated per position). Candidates are taken costliest first; tried are gang sizes k = 2, 4, 8, … and the
+    whole group, each with as many units as fit (size // k) or fewer, cut where the unit cost
+    changes (same-shape matrices are split all or none). No split wins unless it lowers the
+    makespan: it pays when there are fewer matrices than ranks or one matrix is far larger
+    than the rest.
+    """
+    shards = size // replicas
+    owner_costs = [owner_cost(u, size, flops_per_byte) for u in units]
+    names = [u.name for u in units]
+    order = [i for i in costliest_first(owner_costs, names) if gang_costs(i, 2) is not None]
+
+    def owned_makespan(rest: list[int]) -> float:
+        # a fast stand-in for make_plan(...).makespan_cost (thousands of ranks, tens of trials):
+        # the busiest owner's LPT load, plus every position's rows of every unit out and back
+        if not rest:
+            return 0.0
+        owners, _ = balance_owners([owner_costs[i] for i in rest], [names[i] for i in rest], size)
+        loads = [0.0] * size
+        for i, owner in zip(rest, owners):
+            loads[owner] += owner_costs[i]
+        return max(loads) + flops_per_byte * 2 * sum(-(-units[i].total_bytes // shards) for i in rest)
+
+    def makespan(split: Sequence[int], k: int) -> float:
+        chosen = set(split)
+        moved = 2 * sum(-(-units[i].total_bytes // shards) for i in split)
+        return (owned_makespan([i for i in range(len(units)) if i not in chosen])
+                + max(gang_costs(i, k) for i in split) + flops_per_byte * moved)
+
+    best, choice = owned_makespan(list(range(len(units)))), ((), 0)
+    levels = {t for t in range(1, len(order)) if owner_costs[order[t]] != owner_costs[order[t - 1]]}
+    sizes = sorted({2**e for e in range(1, size.bit_length()) if 2**e <= size} | ({size} if size > 1 else set()))
+    for k in sizes:
+        fits = min(len(order), size // k)
+        for t in sorted({t for t in levels if t <= fits} | ({fits} if fits else set())):
+            if any(gang_costs(i, k) is None for i in order[:t]):
+                continue
+            cost = makespan(order[:t], k)
+            if cost < best:
+                best, choice = cost, (tuple(order[:t]), k)
+    split, k = choice
+    return {i: tuple(range(g * k, (g + 1) * k)) for g, i in enumerate(split)}
 
 
 def split_replicas_is_cheaper(units: Sequence[Unit], flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> bool:

@@ -1,0 +1,118 @@
+"""Splitting one matrix over a *gang* of k ranks (dmuon.planner.choose_gangs, the engine's
+_run_gangs): the planner splits only where that lowers the makespan; training with split
+matrices matches one process at 3 and 4 ranks, under DDP (replicated) and FSDP2 (row shards),
+for wide and tall matrices, with gangs of part of the group and of all of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import dmuon
+from dmuon.layout import Layout
+from dmuon.orthogonalization import newton_schulz_flops, resolve_config
+from dmuon.planner import Unit, choose_gangs, gang_member_cost
+from tests.distributed import run_on_ranks
+
+HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=torch.float32)
+
+
+def units_of(shapes: list[tuple[int, int]], size: int) -> tuple[list[Unit], list]:
+    units, configs = [], []
+    for i, (m, n) in enumerate(shapes):
+        config = resolve_config((m, n), "cpu")
+        flops = newton_schulz_flops(m, n, steps=config.steps, method=config.method, restarts=config.restarts)
+        units.append(Unit(f"w{i:03d}", Layout((m, n), 1, size, tuple(range(size))), 1, m, n, 4, flops))
+        configs.append(config)
+    return units, configs
+
+
+def gangs_for(shapes: list[tuple[int, int]], size: int) -> dict[int, tuple[int, ...]]:
+    units, configs = units_of(shapes, size)
+    return choose_gangs(units, lambda i, k: gang_member_cost(units[i], configs[i], k), size)
+
+
+def test_planner_splits_only_where_the_makespan_drops():
+    assert gangs_for([(256, 256)] * 64, 8) == {}  # 8 matrices a rank: LPT balances them
+    assert gangs_for([(256, 2048)] + [(64, 64)] * 8, 4) == {0: (0, 1, 2, 3)}  # one dominant matrix
+    assert gangs_for([(2048, 256)] + [(64, 64)] * 3, 3) == {0: (0, 1, 2)}  # tall, at 3 ranks
+    # gangs are disjoint: two dominant matrices at 3 ranks cannot both be split, and one alone
+    # gains nothing while the other stays the floor
+    assert gangs_for([(256, 2048), (2048, 256)] + [(64, 64)] * 3, 3) == {}
+    # fewer matrices than ranks: gangs of part of the group, disjoint
+    gangs = gangs_for([(512, 4096)] * 4, 16)
+    assert sorted(gangs) == [0, 1, 2, 3] and all(len(g) == 4 for g in gangs.values())
+    assert sorted(p for g in gangs.values() for p in g) == list(range(16))
+
+
+@pytest.mark.parametrize("model,world,split", [
+    ("llama-3.1-8b", 64, False), ("llama-3.1-8b", 512, True), ("llama-3.1-70b", 512, False),
+    ("llama-3.1-70b", 4096, True),
+])
+def test_when_splitting_pays_at_scale(model, world, split):
+    """Fewer matrices than ranks (8B: 224 at 512 ranks; 70B: 560 at 4096) is when gangs pay.
+    70B at 512 ranks: each of its 240 largest matrices fits one rank, and a gang of 2 would
+    save only their long-side products (Gram NS repeats the 8192² recurrence on every member)
+    while the 8192×8192 ones would still follow: no split lowers the makespan."""
+    from dmuon.costmodel import Workload, build_plan, load_model_config
+    from dmuon.hardware import PROFILES
+
+    plan, configs = build_plan(Workload(load_model_config(model), world, "fsdp2", PROFILES["h100"]))
+    units = list(plan.units)
+    gangs = choose_gangs(units, lambda i, k: gang_member_cost(units[i], configs[i], k), world)
+    assert bool(gangs) == split
+    positions = [p for g in gangs.values() for p in g]
+    assert len(positions) == len(set(positions)) <= world and all(len(g) >= 2 for g in gangs.values())
+
+
+SMALL = [(8, 8), (12, 8)]
+CASES = {  # name → shapes; the first ones are large enough to be split
+    "wide": [(48, 400), *SMALL], "tall": [(400, 48), *SMALL], "both": [(48, 400), (400, 48), *SMALL],
+}
+
+
+def init(i: int, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed * 100 + i))
+
+
+def split_steps(case: str, parallel: str | None, steps: int = 2) -> dict:
+    """Two steps on a case's matrices: plain tensors (one process, or replicated as under DDP)
+    or FSDP2 row shards."""
+    torch.set_num_threads(1)
+    shapes = CASES[case]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if parallel == "fsdp" else None
+    place = (lambda t: distribute_tensor(t, mesh, [Shard(0)])) if mesh is not None else (lambda t: t)
+    params = [nn.Parameter(place(init(i, s, 0))) for i, s in enumerate(shapes)]
+    names = [f"w{i}" for i in range(len(shapes))]
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}], **HPARAMS)
+    for step in range(steps):
+        for i, (p, s) in enumerate(zip(params, shapes)):
+            p.grad = place(init(i, s, step + 1))
+        opt.step()
+    full = [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in params]
+    return dict(params=full, gangs=opt.last_step_stats.gangs)
+
+
+@pytest.mark.parametrize("parallel,case,world,gang_sizes", [
+    (None, "wide", 3, {3}), (None, "tall", 3, {3}), (None, "wide", 4, {4}), (None, "both", 4, {2}),
+    ("fsdp", "wide", 3, {3}), ("fsdp", "both", 4, {2}),
+    # FSDP2's row shards of a tall matrix are column blocks of its transpose already: alone, it
+    # is split over the whole group in place (distributed NS, nothing resharded), not by a gang
+    ("fsdp", "tall", 3, set()),
+])
+def test_split_training_matches_one_process(case, world, gang_sizes, parallel):
+    """Parity with one process, and the gangs the cost model chose: the whole group for one
+    dominant matrix, two disjoint gangs of 2 ranks for two at 4 ranks."""
+    reference = split_steps(case, None)
+    results = run_on_ranks(world, split_steps, case, parallel)
+    for rank, r in enumerate(results):
+        for i, (got, expected) in enumerate(zip(r["params"], reference["params"])):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=f"rank {rank} w{i}")
+    gangs = {name: ranks for r in results for name, ranks in r["gangs"].items()}
+    assert {len(ranks) for ranks in gangs.values()} == gang_sizes, gangs
+    members = [rank for ranks in gangs.values() for rank in ranks]
+    assert len(members) == len(set(members))  # gangs are disjoint
