@@ -48,7 +48,10 @@ from dmuon.hardware import RING_BYTES, HardwareProfile
 from dmuon.layout import Layout
 from dmuon.models import PRESETS, LlamaConfig, get_config, matrix_shapes, param_count
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops, resolve_config
-from dmuon.planner import DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, make_plan, plan_ownership
+from dmuon.planner import (
+    DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, choose_gangs, gang_member_cost, make_plan,
+    plan_ownership,
+)
 
 MODES = ("fsdp2", "ddp", "owner")
 DEFAULT_TOKENS_PER_RANK = 8192
@@ -166,6 +169,7 @@ class Workload:
     # CPU measured from one rank's step (:func:`dmuon.simulate.measured_elementwise_efficiency`)
     elementwise_efficiency: float = 1.0
     wire_itemsize: int = 4  # dmuon's default comm dtype: the (fp32) gradient's
+    split: bool = True  # whether the planner may split matrices over gangs of ranks (dmuon's default)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
@@ -208,24 +212,60 @@ def ns_config(m: int, n: int, device_type: str) -> NSConfig:
     return resolve_config((m, n), device_type)
 
 
-def build_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...]]:
-    """dmuon's plan for the workload's Muon matrices, and the NS recipe of each unit.
-
-    Owner mode takes the owners ``dmuon.shard_by_owner`` picks; its optimizer moves no bytes.
-    """
+def _units(workload: Workload) -> tuple[list[Unit], list[NSConfig]]:
     units, configs = [], []
     for name, m, n in matrix_shapes(workload.config):
         config = ns_config(m, n, workload.profile.device_type)
         flops = newton_schulz_flops(m, n, steps=config.steps, method=config.method, restarts=config.restarts)
         units.append(Unit(name, workload.layout((m, n)), 1, m, n, workload.wire_itemsize, flops))
         configs.append(config)
+    return units, configs
+
+
+def _replicas(workload: Workload) -> int:
+    return workload.world_size if workload.mode == "ddp" else 1
+
+
+def _plan(units: list[Unit], workload: Workload) -> Plan:
     owners = None
     if workload.mode == "owner":
         owners = plan_ownership([u.name for u in units], [u.flops for u in units],
                                 [u.m * u.n * workload.wire_itemsize for u in units], workload.world_size)
-    plan = make_plan(units, workload.world_size, units[0].layout.replicas, bucket_bytes=workload.bucket_bytes,
+    return make_plan(units, workload.world_size, _replicas(workload), bucket_bytes=workload.bucket_bytes,
                      flops_per_byte=0.0 if owners else DEFAULT_FLOPS_PER_BYTE, owners=owners)
-    return plan, tuple(configs)
+
+
+def build_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...]]:
+    """dmuon's plan for the workload's Muon matrices, each whole on one owner, and the NS recipe
+    of each unit.
+
+    Owner mode takes the owners ``dmuon.shard_by_owner`` picks; its optimizer moves no bytes.
+    """
+    units, configs = _units(workload)
+    return _plan(units, workload), tuple(configs)
+
+
+@dataclass(frozen=True)
+class SplitUnit:
+    """A matrix the planner splits over a gang of ranks (:func:`dmuon.planner.choose_gangs`)."""
+
+    unit: Unit
+    config: NSConfig
+    gang: tuple[int, ...]  # positions
+
+
+def split_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...], tuple[SplitUnit, ...]]:
+    """dmuon's plan when its cost model may also split matrices over gangs of ranks, as
+    ``dmuon.Muon`` does by default (FSDP2 and DDP; owner mode keeps matrices whole): the plan of
+    the whole matrices and their recipes, and the split ones."""
+    units, configs = _units(workload)
+    gangs: dict[int, tuple[int, ...]] = {}
+    if workload.split and workload.mode != "owner" and workload.world_size > 1:
+        gangs = choose_gangs(units, lambda i, k: gang_member_cost(units[i], configs[i], k), workload.world_size,
+                             _replicas(workload))
+    rest = [i for i in range(len(units)) if i not in gangs]
+    split = tuple(SplitUnit(units[i], configs[i], gangs[i]) for i in sorted(gangs))
+    return _plan([units[i] for i in rest], workload), tuple(configs[i] for i in rest), split
 
 
 # ---------------------------------------------------------------------------- phase costs

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from dmuon.costmodel import (
     DEFAULT_SEQ_LEN, DEFAULT_TOKENS_PER_RANK, MODES, Workload, build_plan, load_model_config,
@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES,
                         help="dmuon.Muon's bucket_bytes (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (cpu)")
+    parser.add_argument("--no-split", action="store_true",
+                        help="keep every matrix whole on one owner (default: the planner may split large "
+                             "matrices over gangs of ranks, as dmuon.Muon does)")
     parser.add_argument("--json", metavar="PATH", help="write the prediction as one JSON record")
 
 
@@ -72,16 +75,21 @@ def balance_summary(prediction: Prediction) -> str:
     ])
 
 
-def predictions_table(p: Prediction) -> str:
+def predictions_table(p: Prediction, whole: Prediction | None = None) -> str:
+    """The predicted times; ``whole``: the same with every matrix kept whole, for comparison."""
     base = "fsdp2" if p.mode == "owner" else p.mode
     rows = [
         (f"AdamW ({base})", p.adamw_opt_ms, p.adamw_step_ms),
         (f"vanilla Muon ({base})", p.vanilla_opt_ms, p.vanilla_step_ms),
         (f"dmuon ({p.mode})", p.dmuon_opt_ms, p.dmuon_step_ms),
     ]
+    if whole is not None:
+        rows.append(("dmuon, matrices whole", whole.dmuon_opt_ms, whole.dmuon_step_ms))
     lines = [f"{'predicted, ms':<24} {'optimizer step':>14} {'step':>10} {'vs AdamW':>9}"]
     for name, opt, step in rows:
         lines.append(f"{name:<24} {opt:>14.1f} {step:>10.1f} {step / p.adamw_step_ms - 1:>+9.1%}")
+    if p.split_matrices:
+        lines.append(f"dmuon splits {p.split_matrices} matrices over gangs of {p.gang_size} ranks")
     lines += [
         f"{'dmuon lower bound':<24} {p.lower_bound_opt_ms:>14.1f}",
         f"forward+backward products {p.forward_backward_ms:.1f} ms at MFU {p.mfu:.2f}; element-wise phases at "
@@ -104,19 +112,20 @@ def run(args: argparse.Namespace) -> int:
     if profile.device_type == "cpu":
         mfu, efficiency = measure_cpu_rank(config, tokens // args.world_size, args.seq_len, profile, args.mfu)
     workload = Workload(config, args.world_size, args.mode, profile, tokens // args.world_size, args.seq_len,
-                        mfu, efficiency, bucket_bytes=args.bucket_bytes)
+                        mfu, efficiency, bucket_bytes=args.bucket_bytes, split=not args.no_split)
     prediction = predict(workload, args.model)
+    whole = predict(replace(workload, split=False), args.model) if prediction.split_matrices else None
     print(f"dmuon plan: {args.model} ({param_count(config) / 1e9:.2f} B parameters, "
           f"{muon_params(config) / 1e9:.2f} B in {len(matrix_shapes(config))} Muon matrices), "
           f"{args.world_size} x {profile.name}, {args.mode}")
     print(f"tokens per step {tokens:,} ({workload.tokens_per_rank:,} per rank, sequences of {args.seq_len:,}); "
           f"Newton–Schulz: {prediction.ns_recipe}")
     print(f"hardware: {profile.source}\n")
-    if args.world_size <= PER_RANK_TABLE_MAX and args.mode != "owner":
+    if args.world_size <= PER_RANK_TABLE_MAX and args.mode != "owner" and not prediction.split_matrices:
         print(build_plan(workload)[0].table() + "\n")
     else:
         print(balance_summary(prediction) + "\n")
-    print(predictions_table(prediction))
+    print(predictions_table(prediction, whole))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(asdict(prediction), f, indent=1)

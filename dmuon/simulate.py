@@ -29,19 +29,20 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dmuon.costmodel import (
-    APPLY_BYTES, MOMENTUM_BYTES, NESTEROV_BYTES, Workload, adamw_params,
-    adamw_seconds, adamw_step_seconds, build_plan, check_seconds, compute_seconds, data_parallel_copy_seconds,
-    data_parallel_seconds, exposed_step_seconds, forward_backward_seconds, local_params, memory_seconds,
-    normalize_bytes, ns_prep_bytes, ns_seconds, pack_bytes, vanilla_muon_step_seconds,
+    APPLY_BYTES, MOMENTUM_BYTES, NESTEROV_BYTES, SplitUnit, Workload, adamw_params, adamw_seconds,
+    adamw_step_seconds, build_plan, check_seconds, compute_seconds, data_parallel_copy_seconds,
+    data_parallel_seconds, exposed_step_seconds, forward_backward_seconds, link, local_params, memory_seconds,
+    normalize_bytes, ns_prep_bytes, ns_seconds, pack_bytes, split_plan, vanilla_muon_step_seconds,
 )
-from dmuon.orthogonalization import NSConfig
-from dmuon.planner import Plan
+from dmuon.orthogonalization import NSConfig, gram_all_reduces, newton_schulz_flops
+from dmuon.planner import Plan, Unit
 
 
 @dataclass
@@ -212,10 +213,11 @@ class _Streams:
 
 
 def simulate_optimizer_step(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload,
-                            costs: list[BucketCost] | None = None) -> Tensor:
-    """Seconds from the start of ``optimizer.step()`` to each rank's last applied update."""
+                            costs: list[BucketCost] | None = None, split: tuple[SplitUnit, ...] = ()) -> Tensor:
+    """Seconds from the start of ``optimizer.step()`` to each rank's last applied update; the
+    ``split`` matrices (gangs) go first, as in the engine."""
     costs = bucket_costs(plan, configs, workload) if costs is None else costs
-    streams = _Streams(before_exchange_seconds(plan, workload), workload)
+    streams = _Streams(before_exchange_seconds(plan, workload) + gang_phase_seconds(split, workload), workload)
     if workload.world_size > 1:  # the all-reduce agreeing on skipped steps (blocking)
         profile = workload.profile
         streams.wait(streams.issue(None, profile.inter_latency if workload.multi_node else profile.intra_latency))
@@ -258,6 +260,41 @@ def measured_elementwise_efficiency(workload: Workload, optimizer_step: float, n
     return min(1.0, elementwise / measured) if measured > 0 else 1.0
 
 
+def gang_phase_seconds(split: tuple[SplitUnit, ...], workload: Workload) -> float:
+    """The matrices split over gangs, before the owned ones (the engine's ``_run_gangs``): every
+    rank sends the members its rows of the split matrices, each gang runs distributed NS — its
+    share of the products, the repeated short-side recurrence, an all-reduce of the Gram matrix
+    per restart (Gram NS) or step (standard) — and every rank gets its rows back. The gangs run
+    at once: the costliest one decides. Both all-to-alls take the busier of a member (its slice
+    in, and out to everyone) and a non-member (its rows of every split matrix). Every rank also
+    does the element-wise work (check, momentum, NS input, apply) on its rows of them."""
+    if not split:
+        return 0.0
+    profile, size = workload.profile, workload.world_size
+    bandwidth, latency = link(workload)
+    shards = size // (size if workload.mode == "ddp" else 1)
+    rows = sum(-(-s.unit.total_bytes // shards) for s in split) if shards > 1 else 0
+    # every rank's element-wise work on its rows of them: check, momentum, NS input, apply
+    local = sum(s.unit.count * s.unit.m * s.unit.n for s in split) / shards
+    elementwise = check_seconds(local, workload) + memory_seconds(
+        local * (MOMENTUM_BYTES + NESTEROV_BYTES + APPLY_BYTES), workload)
+    gangs = []
+    for s in split:
+        unit, config, k = s.unit, s.config, len(s.gang)
+        short, long = sorted((unit.m, unit.n))
+        slice_elements = unit.count * short * -(-long // k)
+        flops = unit.count * newton_schulz_flops(short, -(-long // k), steps=config.steps, method=config.method,
+                                                 restarts=config.restarts, gram_side=short)
+        gram_bytes = 4 * unit.count * short**2
+        ring = latency + 2 * (k - 1) / k * gram_bytes / (bandwidth * profile.ring_efficiency("all_reduce"))
+        gangs.append((ns_seconds(flops, config, workload)
+                      + memory_seconds(slice_elements * normalize_bytes(config.dtype), workload)
+                      + gram_all_reduces(config) * ring, slice_elements * unit.itemsize))
+    member_bytes = max(b for _, b in gangs)
+    exchange = 2 * (latency + max(rows, member_bytes) / bandwidth)
+    return elementwise + max(t for t, _ in gangs) + exchange
+
+
 def total_traffic(costs: list[BucketCost], size: int) -> Traffic:
     """Bytes per rank and link summed over every collective of the step."""
     total = Traffic.zeros(size)
@@ -268,12 +305,15 @@ def total_traffic(costs: list[BucketCost], size: int) -> Traffic:
     return total
 
 
-def lower_bound_seconds(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload, traffic: Traffic) -> float:
+def lower_bound_seconds(units: Sequence[Unit], configs: Sequence[NSConfig], workload: Workload,
+                        traffic: Traffic) -> float:
     """No schedule of this plan can beat it: Newton–Schulz at the listed peak rate, spread
-    perfectly (but a matrix is never split: at least the largest one), and the busiest rank's
-    bytes at full link bandwidth. The two add up where the hardware cannot overlap them."""
-    peak = [compute_seconds(u.flops, c.dtype, workload) for u, c in zip(plan.units, configs)]
-    compute = max(sum(peak) / workload.world_size, max(peak, default=0.0))
+    perfectly (where matrices stay whole — owner mode, or ``workload.split`` off — at least the
+    largest one), and the busiest rank's bytes at full link bandwidth. The two add up where
+    the hardware cannot overlap them."""
+    peak = [compute_seconds(u.flops, c.dtype, workload) for u, c in zip(units, configs)]
+    whole = workload.mode == "owner" or not workload.split
+    compute = max(sum(peak) / workload.world_size, max(peak, default=0.0) if whole else 0.0)
     communication = traffic.link_seconds(workload).max().item()
     if workload.profile.comm_overlaps_compute:
         return max(compute, communication)
@@ -298,6 +338,8 @@ class Prediction:
     ns_gflop_per_rank: tuple[float, float, float]  # min, median, max
     mb_sent_per_rank: tuple[float, float, float]  # optimizer traffic: min, median, max
     imbalance: float  # max/mean NS FLOPs
+    split_matrices: int  # split over gangs of ranks
+    gang_size: int  # ranks per gang (0: none split)
     forward_backward_ms: float  # products alone, at the MFU
     data_parallel_comm_ms: float  # FSDP2 / DDP / owner-mode collectives of forward+backward
     adamw_opt_ms: float
@@ -317,10 +359,10 @@ def _spread(values: list[float]) -> tuple[float, float, float]:
     return min(values), statistics.median(values), max(values)
 
 
-def ns_recipe(plan: Plan, configs: tuple[NSConfig, ...]) -> str:
+def ns_recipe(units: Sequence[Unit], configs: Sequence[NSConfig]) -> str:
     """E.g. "gram float16 x160, standard float16 x64": matrices per NS method and dtype."""
     counts: Counter[tuple[str, str]] = Counter()
-    for unit, config in zip(plan.units, configs):
+    for unit, config in zip(units, configs):
         counts[config.method, str(config.dtype).removeprefix("torch.")] += unit.count
     return ", ".join(f"{method} {dtype} x{n}" for (method, dtype), n in sorted(counts.items()))
 
@@ -331,9 +373,9 @@ def predict(workload: Workload, model: str = "") -> Prediction:
     The baselines run under the workload's mode, except in owner mode, whose baselines are
     FSDP2's (the setup owner-sharding would replace).
     """
-    plan, configs = build_plan(workload)
+    plan, configs, split = split_plan(workload)
     costs = bucket_costs(plan, configs, workload)
-    dmuon_opt = simulate_optimizer_step(plan, configs, workload, costs).max().item()
+    dmuon_opt = simulate_optimizer_step(plan, configs, workload, costs, split).max().item()
     baseline_mode = "fsdp2" if workload.mode == "owner" else workload.mode
     compute = forward_backward_seconds(workload)
     ours_dp = data_parallel_seconds(workload)
@@ -344,22 +386,35 @@ def predict(workload: Workload, model: str = "") -> Prediction:
     vanilla_opt = vanilla_muon_step_seconds(workload, baseline_mode)
     size = workload.world_size
     traffic = total_traffic(costs, size)
-    sent = ((traffic.intra_out + traffic.inter_out).double() / 2**20).tolist()
+    sent = (traffic.intra_out + traffic.inter_out).double()
+    flops = torch.tensor([plan.flops(p) for p in range(size)], dtype=torch.float64)
+    shards = 1 if workload.mode == "ddp" else size
+    for s in split:  # a rank's rows out to the gang; a member's slice out to every other rank
+        short, long = sorted((s.unit.m, s.unit.n))
+        sent += -(-s.unit.total_bytes // shards) if shards > 1 else 0
+        gang = list(s.gang)
+        sent[gang] += s.unit.count * short * -(-long // len(gang)) * s.unit.itemsize * (size - 1) / size
+        flops[gang] += s.unit.count * newton_schulz_flops(short, -(-long // len(gang)), steps=s.config.steps,
+                                                          method=s.config.method, restarts=s.config.restarts,
+                                                          gram_side=short)
+    units = [*plan.units, *(s.unit for s in split)]
+    all_configs = [*configs, *(s.config for s in split)]
     adamw_step, vanilla_step, dmuon_step = base_fb + adamw_opt, base_fb + vanilla_opt, ours_fb + dmuon_opt
     ms = 1e3
     return Prediction(
         model=model, mode=workload.mode, hardware=workload.profile.name,
         world_size=size, tokens_per_rank=workload.tokens_per_rank, seq_len=workload.seq_len,
         mfu=workload.model_flops_utilization, elementwise_efficiency=workload.elementwise_efficiency,
-        ns_recipe=ns_recipe(plan, configs), buckets=len(plan.buckets),
-        ns_gflop_total=sum(u.flops for u in plan.units) / 1e9,
-        ns_gflop_per_rank=_spread([plan.flops(p) / 1e9 for p in range(size)]),
-        mb_sent_per_rank=_spread(sent), imbalance=plan.imbalance,
+        ns_recipe=ns_recipe(units, all_configs), buckets=len(plan.buckets),
+        ns_gflop_total=sum(u.flops for u in units) / 1e9,
+        ns_gflop_per_rank=_spread((flops / 1e9).tolist()), mb_sent_per_rank=_spread((sent / 2**20).tolist()),
+        imbalance=(flops.max() / flops.mean()).item() if flops.sum() else 1.0,
+        split_matrices=len(split), gang_size=max((len(s.gang) for s in split), default=0),
         forward_backward_ms=compute * ms, data_parallel_comm_ms=ours_dp * ms,
         adamw_opt_ms=adamw_opt * ms, adamw_step_ms=adamw_step * ms,
         vanilla_opt_ms=vanilla_opt * ms, vanilla_step_ms=vanilla_step * ms,
         dmuon_opt_ms=dmuon_opt * ms, dmuon_step_ms=dmuon_step * ms,
-        lower_bound_opt_ms=lower_bound_seconds(plan, configs, workload, traffic) * ms,
+        lower_bound_opt_ms=lower_bound_seconds(units, all_configs, workload, traffic) * ms,
         overhead_vs_adamw=dmuon_step / adamw_step - 1,
         vanilla_overhead_vs_adamw=vanilla_step / adamw_step - 1,
         opt_speedup_vs_vanilla=vanilla_opt / dmuon_opt,

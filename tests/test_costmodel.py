@@ -170,10 +170,14 @@ def test_no_overlap_hardware_adds_communication():
 def test_more_ranks_less_ns_per_rank_down_to_the_largest_matrix():
     largest = max(newton_schulz_flops(m, n, steps=5, method=c.method, restarts=c.restarts) / 1e9
                   for (_, m, n), c in zip(matrix_shapes(get_config("llama-3.1-8b")), build_plan(workload())[1]))
-    busiest = [predict(workload(world=n)).ns_gflop_per_rank[2] for n in (1, 2, 8, 32, 128, 256, 1024)]
+    busiest = [predict(workload(world=n, split=False)).ns_gflop_per_rank[2] for n in (1, 2, 8, 32, 128, 256, 1024)]
     assert all(a > b for a, b in zip(busiest[:4], busiest[1:5]))  # 224 matrices: splits down to 128
     assert busiest[4] > largest  # some of 128 ranks own two matrices
     assert busiest[5] == busiest[6] == pytest.approx(largest)  # one matrix a rank at most: the floor
+    # ... unless matrices may be split over gangs of ranks (dmuon's default)
+    split = predict(workload(world=1024))
+    assert split.split_matrices == 224 and split.gang_size >= 2 and split.ns_gflop_per_rank[2] < largest
+    assert split.dmuon_opt_ms < predict(workload(world=1024, split=False)).dmuon_opt_ms
 
 
 def test_simulation_is_deterministic():
@@ -228,6 +232,13 @@ def test_plan_command(tmp_path, capsys):
                  "--tokens-per-step", str(512 * 4096)]) == 0
     text = capsys.readouterr().out
     assert "owner" in text and "median" in text and "rank  matrices" not in text
+    # more ranks than matrices: the planner splits, and the table compares with whole matrices
+    assert main(["plan", "--model", "llama-3.1-8b", "--world-size", "512"]) == 0
+    text = capsys.readouterr().out
+    assert "splits 224 matrices over gangs of 2 ranks" in text and "dmuon, matrices whole" in text
+    assert main(["plan", "--model", "llama-3.1-8b", "--world-size", "512", "--no-split"]) == 0
+    text = capsys.readouterr().out
+    assert "splits" not in text and "matrices whole" not in text
     # cpu: the MFU and the element-wise efficiency are measured on one rank, now
     assert main(["plan", "--model", "bench", "--layers", "1", "--world-size", "2", "--hardware", "cpu",
                  "--tokens-per-step", "128", "--seq-len", "64", "--json", str(out)]) == 0
