@@ -8,6 +8,10 @@ Per exchange group, for buckets k = 0, 1, …::
     start return(k)
     wait return(k−1); apply its updates
 
+Matrices the planner splits over gangs of ranks (:func:`dmuon.planner.choose_gangs`) go first,
+all gangs at once: each member is sent its slice of the long side, the gang runs distributed
+Newton–Schulz in its own process group, and every rank is sent its rows back (``_run_gangs``).
+
 Memory stays bounded by buckets, not by the model: a work's Newton–Schulz input is computed
 only when its bucket needs it (and only on the ranks that send or own it), and each update is
 applied as soon as it arrives — at most two buckets of gathered inputs and two of returned

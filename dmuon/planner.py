@@ -13,6 +13,12 @@ and sends, converted at ``flops_per_byte``. Ties break on the unit's name, never
 parameters were passed in. Units of the same shape thus spread round-robin; those that land on
 one owner in one bucket are stacked into one batched call at run time. No matrix is padded.
 
+When there are fewer matrices than ranks, or one far larger than the rest, whole-matrix
+ownership leaves ranks idle and the step can be no faster than the largest matrix:
+:func:`choose_gangs` then splits the largest ones over disjoint *gangs* of ranks that
+orthogonalize each together (distributed NS on slices of its long side), where that lowers the
+makespan; :func:`choose_distributed` splits 1-D sharded matrices over their whole group in place.
+
 Buckets cut the LPT order into pieces of about ``bucket_bytes`` of NS input per owner, so that
 the exchange of bucket k+1 overlaps the orthogonalization of bucket k, every rank computes in
 every bucket, and transient memory per rank stays bounded.
