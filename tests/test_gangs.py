@@ -87,12 +87,14 @@ def split_steps(case: str, parallel: str | None, steps: int = 2) -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if parallel == "fsdp" else None
     place = (lambda t: distribute_tensor(t, mesh, [Shard(0)])) if mesh is not None else (lambda t: t)
     params = [nn.Parameter(place(init(i, s, 0))) for i, s in enumerate(shapes)]
+    before = [tuple(p.placements) for p in params if isinstance(p, DTensor)]
     names = [f"w{i}" for i in range(len(shapes))]
     opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}], **HPARAMS)
     for step in range(steps):
         for i, (p, s) in enumerate(zip(params, shapes)):
             p.grad = place(init(i, s, step + 1))
         opt.step()
+    assert [tuple(p.placements) for p in params if isinstance(p, DTensor)] == before  # placements unchanged
     full = [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in params]
     return dict(params=full, gangs=opt.last_step_stats.gangs)
 
