@@ -31,7 +31,7 @@ from typing import Literal, Union
 import torch
 from torch import Tensor
 
-from dmuon.triton_kernels import symmetric_gram, triton_usable
+from dmuon.triton_kernels import symmetric_baddbmm, symmetric_gram, triton_usable
 
 Coefficients = tuple[float, float, float]
 CoefficientsSpec = Union[str, Coefficients, Sequence[Coefficients]]
@@ -217,16 +217,30 @@ def _local_gram(X: Tensor) -> Tensor:
     return torch.bmm(X, X.mT)
 
 
-def _standard(X: Tensor, schedule: Sequence[Coefficients], gram: Callable[[Tensor], Tensor] = _local_gram) -> Tensor:
+# ``gram(X)`` computes X·Xᵀ (locally, or all-reduced over column blocks); ``symmetric(C, A, B,
+# beta=, alpha=)`` is ``torch.baddbmm`` for the products known to be symmetric (polynomials of
+# one symmetric matrix), which a one-triangle kernel may compute instead.
+SymmetricProduct = Callable[..., Tensor]
+
+
+def _products(config: NSConfig) -> tuple[Callable[[Tensor], Tensor], SymmetricProduct]:
+    """The Gram and symmetric-product kernels ``config.symmetric`` asks for."""
+    if config.symmetric == "triton":
+        return symmetric_gram, symmetric_baddbmm
+    return _local_gram, torch.baddbmm
+
+
+def _standard(X: Tensor, schedule: Sequence[Coefficients], gram: Callable[[Tensor], Tensor] = _local_gram,
+              symmetric: SymmetricProduct = torch.baddbmm) -> Tensor:
     for a, b, c in schedule:
         A = gram(X)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
+        B = symmetric(A, A, A, beta=b, alpha=c)  # b·A + c·A²
         X = torch.baddbmm(X, B, X, beta=a)  # a·X + B·X
     return X
 
 
 def _gram(X: Tensor, schedule: Sequence[Coefficients], restarts: Sequence[int],
-          gram: Callable[[Tensor], Tensor] = _local_gram) -> Tensor:
+          gram: Callable[[Tensor], Tensor] = _local_gram, symmetric: SymmetricProduct = torch.baddbmm) -> Tensor:
     # Z_t = a·I + W_t with W_t = b·R + c·R². The a·I term never goes through a low-precision
     # product: it enters as the beta of baddbmm (Q·Z = a·Q + Q·W, R·Z = a·R + R·W), whose
     # scaling and accumulation the kernel does at its accumulator precision.
@@ -238,15 +252,15 @@ def _gram(X: Tensor, schedule: Sequence[Coefficients], restarts: Sequence[int],
             X = torch.bmm(Q, X)
             R = gram(X)
             Q = None
-        W = torch.baddbmm(R, R, R, beta=b, alpha=c)
+        W = symmetric(R, R, R, beta=b, alpha=c)
         if Q is None:
             Q = W.clone()
             Q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
             Q = torch.baddbmm(Q, Q, W, beta=a)
         if t + 1 < steps and t + 1 not in restarts:
-            RZ = torch.baddbmm(R, R, W, beta=a)
-            R = torch.baddbmm(RZ, W, RZ, beta=a)  # Z·R·Z
+            RZ = symmetric(R, R, W, beta=a)
+            R = symmetric(RZ, W, RZ, beta=a)  # Z·R·Z
             # Z·R·Z is symmetric in exact arithmetic; dropping the rounding's antisymmetric
             # part costs m² and cut the fp16 error by 10–25 % in our measurements.
             R = (R + R.mT) * 0.5
@@ -316,11 +330,11 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
     tall = m > n
     if tall:
         X = X.mT
-    gram = symmetric_gram if config.symmetric == "triton" else _local_gram
+    gram, symmetric = _products(config)
     if config.method == "gram":
-        X = _gram(X, config.schedule, config.restarts, gram)
+        X = _gram(X, config.schedule, config.restarts, gram, symmetric)
     else:
-        X = _standard(X, config.schedule, gram)
+        X = _standard(X, config.schedule, gram, symmetric)
     if tall:
         X = X.mT
     return X.reshape(*batch_shape, m, n).to(G.dtype)
@@ -351,13 +365,15 @@ def orthogonalize_column_blocks(X_local: Tensor, config: NSConfig, all_reduce: C
     norms = all_reduce(X.square().sum(dim=(-2, -1), keepdim=True)).sqrt()
     X = (X / (norms + config.eps)).to(config.dtype)
 
+    local_gram, symmetric = _products(config)
+
     def gram(Y: Tensor) -> Tensor:
-        return all_reduce(torch.bmm(Y, Y.mT).float()).to(Y.dtype)
+        return all_reduce(local_gram(Y).float()).to(Y.dtype)
 
     if config.method == "gram":
-        X = _gram(X, config.schedule, config.restarts, gram)
+        X = _gram(X, config.schedule, config.restarts, gram, symmetric)
     else:
-        X = _standard(X, config.schedule, gram)
+        X = _standard(X, config.schedule, gram, symmetric)
     return X.to(X_local.dtype)
 
 

@@ -1,5 +1,6 @@
 """The Triton symmetric-product kernel (``dmuon.triton_kernels``), tested on CPU through Triton's
-interpreter, as CI runs it: the lower-triangle Gram matrix against ``torch.bmm``, Newton–Schulz
+interpreter, as CI runs it: the lower-triangle Gram matrix and symmetric products against
+``torch.bmm``/``baddbmm``, Newton–Schulz
 and a ``dmuon.Muon`` step with ``symmetric_products="triton"`` against the plain path. Skipped,
 with the reason, when Triton is not installed."""
 
@@ -15,7 +16,7 @@ from torch import nn
 
 import dmuon
 from dmuon.orthogonalization import orthogonalize, resolve_config
-from dmuon.triton_kernels import symmetric_gram
+from dmuon.triton_kernels import symmetric_baddbmm, symmetric_gram
 
 
 def interpreter_checks() -> None:
@@ -24,6 +25,16 @@ def interpreter_checks() -> None:
     for shape in [(1, 5, 7), (3, 64, 100), (2, 130, 33)]:  # one tile, exact tiles, ragged tiles
         X = torch.randn(shape)
         torch.testing.assert_close(symmetric_gram(X), torch.bmm(X, X.mT), rtol=1e-5, atol=1e-4)
+    for m in (5, 64, 130):  # symmetric products: b·R + c·R², R·Z, Z·R·Z of a symmetric R
+        X = torch.randn(2, m, 40)
+        R = torch.bmm(X, X.mT) / 40
+        W = torch.baddbmm(R, R, R, beta=0.5, alpha=-0.25)
+        torch.testing.assert_close(symmetric_baddbmm(R, R, R, beta=0.5, alpha=-0.25), W, rtol=1e-5, atol=1e-4)
+        RZ = torch.baddbmm(R, R, W, beta=2.0)
+        torch.testing.assert_close(symmetric_baddbmm(R, R, W, beta=2.0), RZ, rtol=1e-5, atol=1e-4)
+        got = symmetric_baddbmm(RZ, W, RZ, beta=2.0)
+        torch.testing.assert_close(got, torch.baddbmm(RZ, W, RZ, beta=2.0), rtol=1e-5, atol=1e-4)
+        assert torch.equal(got, got.mT)  # mirrored: exactly symmetric
     G = torch.randn(2, 48, 160)
     for method in ("standard", "gram"):
         plain = resolve_config(G.shape, "cpu", method=method, dtype=torch.float32)
