@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # All GPU checks in one call (one GPU; well under 8 minutes on an H100/H200):
 #   1. correctness of Newton–Schulz on the GPU against the exact polynomial in float64;
-#   2. NS throughput per method and shape against the measured matrix-product peak, and the
-#      time one rank needs for its share of Llama-3.1-8B at 8 and 64 ranks (dmuon bench --device cuda);
-#   3. the side-by-side training table on one GPU.
+#   2. NS throughput per method and shape against the measured matrix-product peak; the time
+#      one rank needs for its share of Llama-3.1-8B at 8 and 64 ranks, against its FLOP lower bound
+#      and against fused AdamW on the same rank's shard; Gram NS with torch's symmetric products
+#      against the Triton one-triangle kernel per size (the data for a cut-off);
+#   3. the side-by-side training table on one GPU (all three from dmuon bench --device cuda).
 # Usage: bash bench/gpu_check.sh [OUTPUT_DIR]   (default: gpu_check_results/)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -5,7 +5,10 @@
 * :func:`ns_throughput` — effective FLOP/s of batched Newton–Schulz per method and shape
   (FLOPs counted by :func:`dmuon.orthogonalization.newton_schulz_flops`);
 * :func:`rank_share` — the time one rank needs for its share of a named model's matrices at
-  N ranks according to dmuon's plan (FSDP2 layout), against its FLOP lower bound.
+  N ranks according to dmuon's plan (FSDP2 layout), against its FLOP lower bound and against
+  ``torch.optim.AdamW`` (fused) on the same rank's shard of the parameters;
+* :func:`symmetric_products_timing` — Gram NS with torch's products against the Triton
+  one-triangle kernel, per matrix size (where Triton runs).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from dmuon.layout import Layout
-from dmuon.models import get_config, matrix_shapes
-from dmuon.orthogonalization import newton_schulz_flops, orthogonalize, resolve_config
+from dmuon.models import get_config, matrix_shapes, param_count
+from dmuon.orthogonalization import SYMMETRIC_PRODUCTS, newton_schulz_flops, orthogonalize, resolve_config
 from dmuon.planner import Unit, make_plan
+from dmuon.triton_kernels import triton_usable
 
 
 def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -86,12 +90,14 @@ class RankShare:
     matrices: int
     ms: float
     lower_bound_ms: float  # the rank's NS FLOPs at the measured matrix-product peak
+    adamw_ms: float  # torch.optim.AdamW (fused where the device has it) on the rank's 1/N of every parameter
 
 
 def rank_share(model: str, world_size: int, device: torch.device, peak: float | None = None,
                layers: int | None = None, repeats: int = 3) -> RankShare:
     """Time the Newton–Schulz work that dmuon's plan gives the busiest rank (FSDP2 layout)."""
-    shapes = matrix_shapes(get_config(model, **({"n_layers": layers} if layers else {})))
+    config = get_config(model, **({"n_layers": layers} if layers else {}))
+    shapes = matrix_shapes(config)
     ranks = tuple(range(world_size))
     configs = [resolve_config((m, n), device.type) for _, m, n in shapes]
     units = [
@@ -114,7 +120,43 @@ def rank_share(model: str, world_size: int, device: torch.device, peak: float | 
 
     seconds = _timed(run_share, device, repeats)
     rate = peak or matmul_peak(device, configs[0].dtype)
-    return RankShare(model, world_size, plan.matrices(busiest), seconds * 1e3, plan.flops(busiest) / rate * 1e3)
+    shard = -(-param_count(config) // world_size)
+    return RankShare(model, world_size, plan.matrices(busiest), seconds * 1e3, plan.flops(busiest) / rate * 1e3,
+                     adamw_seconds(shard, device, repeats) * 1e3)
+
+
+def adamw_seconds(params: int, device: torch.device, repeats: int = 3) -> float:
+    """One ``torch.optim.AdamW`` step (fused on CUDA) on ``params`` fp32 parameters."""
+    weight = torch.nn.Parameter(torch.zeros(params, device=device))
+    weight.grad = torch.randn(params, device=device)
+    optimizer = torch.optim.AdamW([weight], lr=1e-3, fused=device.type == "cuda")
+    return _timed(optimizer.step, device, repeats)
+
+
+@dataclass(frozen=True)
+class SymmetricTiming:
+    shape: tuple[int, int]
+    batch: int
+    torch_ms: float
+    triton_ms: float
+
+
+def symmetric_products_timing(device: torch.device, sides: Sequence[int] = (512, 1024, 2048, 4096, 8192),
+                              aspect: int = 4, batch: int = 2, repeats: int = 3) -> list[SymmetricTiming]:
+    """Gram NS (fp16 on CUDA) of ``batch`` stacked side×(aspect·side) matrices with the symmetric
+    products from ``torch.bmm``/``baddbmm`` and from the Triton one-triangle kernel: the data for
+    choosing ``symmetric_products`` by shape. Empty where Triton cannot run."""
+    if not triton_usable(device):
+        return []
+    rows = []
+    for side in sides:
+        G = torch.randn(batch, side, aspect * side, device=device)
+        times = []
+        for symmetric in SYMMETRIC_PRODUCTS:
+            config = resolve_config((side, aspect * side), device.type, method="gram", symmetric=symmetric)
+            times.append(_timed(lambda: orthogonalize(G, config), device, repeats) * 1e3)
+        rows.append(SymmetricTiming((side, aspect * side), batch, *times))
+    return rows
 
 
 def gpu_report(device: torch.device, models: Sequence[str] = ("llama-3.1-8b", "llama-3.1-70b"),
@@ -134,5 +176,12 @@ def gpu_report(device: torch.device, models: Sequence[str] = ("llama-3.1-8b", "l
         share = rank_share(models[0], world_size, device)
         lines.append(f"{share.model} at {world_size} ranks: busiest rank orthogonalizes {share.matrices} matrices "
                      f"in {share.ms:.1f} ms (FLOP lower bound {share.lower_bound_ms:.1f} ms, "
-                     f"{share.ms / share.lower_bound_ms:.2f}x)")
+                     f"{share.ms / share.lower_bound_ms:.2f}x); AdamW on the rank's 1/{world_size} of the "
+                     f"parameters {share.adamw_ms:.1f} ms ({share.ms / share.adamw_ms:.1f}x)")
+    timings = symmetric_products_timing(device)
+    if not timings:
+        lines.append("symmetric products: Triton cannot run here (not installed, or no CUDA device)")
+    for t in timings:
+        lines.append(f"Gram NS fp16 {t.batch}x{t.shape[0]}x{t.shape[1]}: symmetric products torch {t.torch_ms:.2f} ms, "
+                     f"triton {t.triton_ms:.2f} ms ({t.torch_ms / t.triton_ms:.2f}x)")
     return "\n".join(lines)

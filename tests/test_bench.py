@@ -40,7 +40,7 @@ def test_tiny_run_writes_json(tmp_path):
 def test_throughput_tables_run_on_cpu():
     import torch
 
-    from dmuon.throughput import ns_throughput, rank_share
+    from dmuon.throughput import ns_throughput, rank_share, symmetric_products_timing
 
     cpu = torch.device("cpu")
     rows = ns_throughput(cpu, [(16, 64)], batch=2, peak=1e9, repeats=1)
@@ -48,3 +48,5 @@ def test_throughput_tables_run_on_cpu():
     assert all(r.ms > 0 and r.tflops > 0 and r.fraction_of_peak > 0 for r in rows)
     share = rank_share("tiny", 4, cpu, peak=1e9, repeats=1)
     assert share.matrices == 4 and share.ms > 0 and share.lower_bound_ms > 0  # 14 matrices over 4 ranks
+    assert share.adamw_ms > 0
+    assert symmetric_products_timing(cpu) == []  # no Triton on a CPU without its interpreter
