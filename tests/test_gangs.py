@@ -1,7 +1,8 @@
 """Splitting one matrix over a *gang* of k ranks (dmuon.planner.choose_gangs, the engine's
 _run_gangs): the planner splits only where that lowers the makespan; training with split
-matrices matches one process at 3 and 4 ranks, under DDP (replicated) and FSDP2 (row shards),
-for wide and tall matrices, with gangs of part of the group and of all of it."""
+matrices matches one process at 3 and 4 ranks, under DDP (replicated), FSDP2 (row shards) and
+HSDP (2 × 2), for wide and tall matrices, with gangs of part of the group and of all of it,
+placements unchanged; a checkpoint taken between split steps resumes bitwise."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dmuon
 from dmuon.layout import Layout
@@ -84,12 +85,18 @@ def split_steps(case: str, parallel: str | None, steps: int = 2) -> dict:
     or FSDP2 row shards."""
     torch.set_num_threads(1)
     shapes = CASES[case]
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if parallel == "fsdp" else None
-    place = (lambda t: distribute_tensor(t, mesh, [Shard(0)])) if mesh is not None else (lambda t: t)
+    mesh, placements = None, None
+    if parallel == "fsdp":
+        mesh, placements = init_device_mesh("cpu", (dist.get_world_size(),)), [Shard(0)]
+    elif parallel == "hsdp":
+        mesh, placements = init_device_mesh("cpu", (2, dist.get_world_size() // 2)), [Replicate(), Shard(0)]
+    place = (lambda t: distribute_tensor(t, mesh, placements)) if mesh is not None else (lambda t: t)
     params = [nn.Parameter(place(init(i, s, 0))) for i, s in enumerate(shapes)]
     before = [tuple(p.placements) for p in params if isinstance(p, DTensor)]
     names = [f"w{i}" for i in range(len(shapes))]
-    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}], **HPARAMS)
+    # HSDP: replicas split the matrices, so an exchange group spans both replicas (2 × 2)
+    split = {"replica_split": True} if parallel == "hsdp" else {}
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}], **HPARAMS, **split)
     for step in range(steps):
         for i, (p, s) in enumerate(zip(params, shapes)):
             p.grad = place(init(i, s, step + 1))
@@ -105,6 +112,7 @@ def split_steps(case: str, parallel: str | None, steps: int = 2) -> dict:
     # FSDP2's row shards of a tall matrix are column blocks of its transpose already: alone, it
     # is split over the whole group in place (distributed NS, nothing resharded), not by a gang
     ("fsdp", "tall", 3, set()),
+    ("hsdp", "wide", 4, {4}), ("hsdp", "both", 4, {2}),  # members take their slices from their own replica
 ])
 def test_split_training_matches_one_process(case, world, gang_sizes, parallel):
     """Parity with one process, and the gangs the cost model chose: the whole group for one
@@ -118,3 +126,51 @@ def test_split_training_matches_one_process(case, world, gang_sizes, parallel):
     assert {len(ranks) for ranks in gangs.values()} == gang_sizes, gangs
     members = [rank for ranks in gangs.values() for rank in ranks]
     assert len(members) == len(set(members))  # gangs are disjoint
+
+
+class Matrices(nn.Module):
+    def __init__(self, shapes: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(init(i, s, 0)) for i, s in enumerate(shapes)])
+
+
+def resume_with_gangs(path: str, case: str, steps: int, save_after: int | None) -> dict:
+    """``steps`` steps of a case under DDP-style replication; a DCP checkpoint after
+    ``save_after`` steps, then a fresh model and optimizer loaded from it for the rest."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.set_num_threads(1)
+    shapes = CASES[case]
+
+    def fresh() -> tuple[Matrices, dmuon.Muon]:
+        model = Matrices(shapes)
+        return model, dmuon.Muon([{"params": list(model.weights), "algorithm": "muon"}], **HPARAMS)
+
+    model, opt = fresh()
+    gangs = {}
+    for step in range(steps):
+        if step == save_after:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            model, opt = fresh()
+            model_sd, optim_sd = get_state_dict(model, opt)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for i, (p, s) in enumerate(zip(model.weights, shapes)):
+            p.grad = init(i, s, step + 1)
+        opt.step()
+        gangs.update(opt.last_step_stats.gangs)
+    return dict(params=[p.detach().clone() for p in model.weights], gangs=gangs)
+
+
+def test_checkpoint_resume_with_gangs(tmp_path):
+    """Gangs keep no state of their own: momentum stays with each parameter, so a DCP checkpoint
+    taken between split steps resumes to the same parameters as an uninterrupted run."""
+    straight = run_on_ranks(4, resume_with_gangs, str(tmp_path / "unused"), "both", 3, None)
+    resumed = run_on_ranks(4, resume_with_gangs, str(tmp_path / "ckpt"), "both", 3, 1)
+    assert {len(g) for r in resumed for g in r["gangs"].values()} == {2}
+    for a, b in zip(straight, resumed):
+        for got, expected in zip(b["params"], a["params"]):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
