@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -150,13 +151,8 @@ class _GangSlices:
         self.m, self.n = work.m, work.n
         self.wide = self.m <= self.n
         self.short = min(self.m, self.n)
-        shards = self.layout.shards
-        self.row_starts = [0]
-        for rows in chunk_sizes(self.m, shards):
-            self.row_starts.append(self.row_starts[-1] + rows)
-        self.slice_starts = [0]
-        for size in chunk_sizes(self.n if self.wide else self.m, len(self.gang)):
-            self.slice_starts.append(self.slice_starts[-1] + size)
+        self.row_starts = [0, *accumulate(chunk_sizes(self.m, self.layout.shards))]
+        self.slice_starts = [0, *accumulate(chunk_sizes(self.n if self.wide else self.m, len(self.gang)))]
 
     def replica(self, position: int) -> range:
         """The positions of ``position``'s replica: together they hold every row, in order."""
@@ -179,16 +175,17 @@ class _GangSlices:
         low = max(start, self.slice_starts[j])
         return low, max(low, min(stop, self.slice_starts[j + 1]))
 
-    def input_shape(self, position: int, j: int) -> tuple[int, int]:
-        """Shape of what ``position`` contributes to member j's slice."""
+    def piece_shape(self, position: int, j: int) -> tuple[int, int]:
+        """Shape of ``position``'s rows of member j's slice: what it sends member j of the input,
+        and what it receives back of the update."""
         if self.wide:
             start, stop = self._rows(position)
             return stop - start, self.slice_starts[j + 1] - self.slice_starts[j]
         start, stop = self._overlap(position, j)
         return stop - start, self.n
 
-    def input_numel(self, position: int, j: int) -> int:
-        return math.prod(self.input_shape(position, j))
+    def piece_numel(self, position: int, j: int) -> int:
+        return math.prod(self.piece_shape(position, j))
 
     def input_piece(self, local: Tensor, position: int, j: int) -> Tensor:
         """Of ``position``'s rows (``local``), the part member j works on."""
@@ -202,12 +199,6 @@ class _GangSlices:
     def to_column_block(self, piece: Tensor) -> Tensor:
         """A slice in the form distributed NS takes (Gram side first), and back."""
         return piece if self.wide else piece.mT
-
-    def update_shape(self, position: int, j: int) -> tuple[int, int]:
-        return self.input_shape(position, j)  # the same rows and columns, going back
-
-    def update_numel(self, position: int, j: int) -> int:
-        return self.input_numel(position, j)
 
     def update_piece(self, update: Tensor, position: int, j: int) -> Tensor:
         """Of member j's slice of the update, ``position``'s rows."""
@@ -372,9 +363,15 @@ class Orthogonalizer:
         gang runs distributed NS on the slices (Gram side the short one, all-reduced in the
         gang), and each member sends every rank its rows of its slice of the update (a second
         all-to-all)."""
-        group, size = works[0].group, works[0].layout.size
         me = works[0].layout.group_ranks.index(dist.get_rank())
         slices = [_GangSlices(w) for w in works]
+        blocks = self._gather_gang_slices(works, slices, me)
+        updates = {i: self._orthogonalize_gang_slice(works[i], slices[i], block) for i, block in blocks.items()}
+        self._return_gang_updates(works, slices, updates, me)
+
+    def _gather_gang_slices(self, works: list[MatrixWork], slices: list[_GangSlices], me: int) -> dict[int, Tensor]:
+        """Work index → this member's slice (exchange orientation), for the gangs ``me`` is in."""
+        size = works[0].layout.size
         # this rank's rows, where a member of the gang is in its replica (itself included)
         local = {i: w.local_input() for i, (w, sl) in enumerate(zip(works, slices))
                  if any(sl.same_replica(member, me) for member in w.gang)}
@@ -384,12 +381,13 @@ class Orthogonalizer:
             for j, member in enumerate(work.gang):
                 if member == me:
                     for source in sl.sources(me):
-                        recv_splits[source] += sl.input_numel(source, j)
+                        recv_splits[source] += sl.piece_numel(source, j)
                 elif sl.same_replica(member, me):
                     sends[member].append(sl.input_piece(local[i], me, j))
-        received = start_all_to_all(sends, recv_splits, group, me, self.wire_dtype(works[0]), self.counter).wait()
+        dtype = self.wire_dtype(works[0])
+        received = start_all_to_all(sends, recv_splits, works[0].group, me, dtype, self.counter).wait()
         offsets = [0] * size
-        results: dict[int, Tensor] = {}
+        blocks = {}
         for i, (work, sl) in enumerate(zip(works, slices)):
             if me not in work.gang:
                 continue
@@ -397,43 +395,53 @@ class Orthogonalizer:
             pieces = []
             for source in sl.replica(me):
                 if source == me:
-                    pieces.append(sl.input_piece(local[i], me, j).to(self.wire_dtype(work)))
+                    pieces.append(sl.input_piece(local[i], me, j).to(dtype))
                     continue
-                numel = sl.input_numel(source, j)
+                numel = sl.piece_numel(source, j)
                 pieces.append(received[source][offsets[source] : offsets[source] + numel]
-                              .reshape(sl.input_shape(source, j)))
+                              .reshape(sl.piece_shape(source, j)))
                 offsets[source] += numel
-            block = torch.cat(pieces)  # this member's slice, rows in order
-            reduce = partial(all_reduce_sum, group=self._gang_group(work), counter=self.counter)
-            with _Timed(self.stats, block.device):
-                update = orthogonalize_column_blocks(sl.to_column_block(block)[None], work.config, reduce)[0]
-            results[i] = sl.to_column_block(update)  # the transpose is its own inverse
-            self.stats.matrices_orthogonalized += 1
-            self.stats.gangs[work.name] = tuple(work.layout.group_ranks[p] for p in work.gang)
-            self.stats.ns_flops += newton_schulz_flops(
-                sl.short, update.shape[-1], steps=work.config.steps, method=work.config.method,
-                restarts=work.config.restarts, gram_side=sl.short)
-        sends = [[] for _ in range(size)]
+            blocks[i] = torch.cat(pieces)  # rows in order
+        return blocks
+
+    def _orthogonalize_gang_slice(self, work: MatrixWork, sl: _GangSlices, block: Tensor) -> Tensor:
+        """Distributed NS of this member's slice with the rest of its gang; its slice of the update."""
+        reduce = partial(all_reduce_sum, group=self._gang_group(work), counter=self.counter)
+        with _Timed(self.stats, block.device):
+            update = orthogonalize_column_blocks(sl.to_column_block(block)[None], work.config, reduce)[0]
+        self.stats.matrices_orthogonalized += 1
+        self.stats.gangs[work.name] = tuple(work.layout.group_ranks[p] for p in work.gang)
+        self.stats.ns_flops += newton_schulz_flops(sl.short, update.shape[-1], steps=work.config.steps,
+                                                   method=work.config.method, restarts=work.config.restarts,
+                                                   gram_side=sl.short)
+        return sl.to_column_block(update)  # the transpose is its own inverse
+
+    def _return_gang_updates(self, works: list[MatrixWork], slices: list[_GangSlices], updates: dict[int, Tensor],
+                             me: int) -> None:
+        """Every member sends every rank its rows of its slice; each rank applies its rows."""
+        size = works[0].layout.size
+        sends: list[list[Tensor]] = [[] for _ in range(size)]
         recv_splits = [0] * size
         for i, (work, sl) in enumerate(zip(works, slices)):
             for j, member in enumerate(work.gang):
                 if member == me:
                     for p in range(size):
                         if p != me:
-                            sends[p].append(sl.update_piece(results[i], p, j))
+                            sends[p].append(sl.update_piece(updates[i], p, j))
                 else:
-                    recv_splits[member] += sl.update_numel(me, j)
-        received = start_all_to_all(sends, recv_splits, group, me, self.wire_dtype(works[0]), self.counter).wait()
+                    recv_splits[member] += sl.piece_numel(me, j)
+        dtype = self.wire_dtype(works[0])
+        received = start_all_to_all(sends, recv_splits, works[0].group, me, dtype, self.counter).wait()
         offsets = [0] * size
         for i, (work, sl) in enumerate(zip(works, slices)):
             parts = []
             for j, member in enumerate(work.gang):
                 if member == me:
-                    parts.append(sl.update_piece(results[i], me, j))
+                    parts.append(sl.update_piece(updates[i], me, j))
                     continue
-                numel = sl.update_numel(me, j)
+                numel = sl.piece_numel(me, j)
                 parts.append(received[member][offsets[member] : offsets[member] + numel]
-                             .reshape(sl.update_shape(me, j)))
+                             .reshape(sl.piece_shape(me, j)))
                 offsets[member] += numel
             work.apply(torch.cat(parts, dim=1 if sl.wide else 0).reshape(work.local_shape))
 
