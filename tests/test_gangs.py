@@ -1,6 +1,7 @@
 """Splitting one matrix over a *gang* of k ranks (dmuon.planner.choose_gangs, the engine's
 _run_gangs): the planner splits only where that lowers the makespan; training with split
-matrices matches one process at 3 and 4 ranks, under DDP (replicated), FSDP2 (row shards) and
+matrices matches one process at 3 and 4 ranks, under DDP (replicated), FSDP2 (row shards), row-wise
+tensor parallel (column shards) and
 HSDP (2 × 2), for wide and tall matrices, with gangs of part of the group and of all of it,
 placements unchanged; a checkpoint taken between split steps resumes bitwise."""
 
@@ -88,6 +89,8 @@ def split_steps(case: str, parallel: str | None, steps: int = 2) -> dict:
     mesh, placements = None, None
     if parallel == "fsdp":
         mesh, placements = init_device_mesh("cpu", (dist.get_world_size(),)), [Shard(0)]
+    elif parallel == "tp":  # row-wise tensor parallel: column shards, exchanged as the transpose
+        mesh, placements = init_device_mesh("cpu", (dist.get_world_size(),)), [Shard(1)]
     elif parallel == "hsdp":
         mesh, placements = init_device_mesh("cpu", (2, dist.get_world_size() // 2)), [Replicate(), Shard(0)]
     place = (lambda t: distribute_tensor(t, mesh, placements)) if mesh is not None else (lambda t: t)
@@ -112,6 +115,7 @@ def split_steps(case: str, parallel: str | None, steps: int = 2) -> dict:
     # FSDP2's row shards of a tall matrix are column blocks of its transpose already: alone, it
     # is split over the whole group in place (distributed NS, nothing resharded), not by a gang
     ("fsdp", "tall", 3, set()),
+    ("tp", "tall", 3, {3}), ("tp", "both", 4, {2}),
     ("hsdp", "wide", 4, {4}), ("hsdp", "both", 4, {2}),  # members take their slices from their own replica
 ])
 def test_split_training_matches_one_process(case, world, gang_sizes, parallel):
