@@ -1,9 +1,9 @@
 """Splitting one matrix over a *gang* of k ranks (dmuon.planner.choose_gangs, the engine's
 _run_gangs): the planner splits only where that lowers the makespan; training with split
-matrices matches one process at 3 and 4 ranks, under DDP (replicated), FSDP2 (row shards), row-wise
-tensor parallel (column shards) and
-HSDP (2 × 2), for wide and tall matrices, with gangs of part of the group and of all of it,
-placements unchanged; a checkpoint taken between split steps resumes bitwise."""
+matrices matches one process at 3 and 4 ranks, under DDP (replicated), FSDP2 (row shards),
+row-wise tensor parallel (column shards) and HSDP (2 × 2), for wide and tall matrices, with
+gangs of part of the group and of all of it, placements unchanged; a checkpoint taken between
+split steps resumes bitwise."""
 
 from __future__ import annotations
 
