@@ -711,34 +711,36 @@ class Muon(torch.optim.Optimizer):
         Under torch.distributed every rank must take the same decisions (or the collectives
         would not match), so the flags are combined with one all-reduce first: the step is
         skipped if any rank saw a non-finite gradient, and a Muon parameter is stepped only if
-        every rank has its gradient.
+        every rank has its gradient. The flags stay on the device until that all-reduce: reading
+        its result is the step's one host synchronization (on CUDA; none follows).
         """
         muon = [(name, p) for name, p, _, _ in self._muon_params()]
-        check = self.defaults["nonfinite_grads"] != "ignore"
-        bad: list[str] = []
-        if check:
+        device = self._collective_device()
+        flags: list[tuple[str, Tensor]] = []  # (name, finite?) as device tensors: no host sync
+        if self.defaults["nonfinite_grads"] != "ignore":
             for g, group in enumerate(self.param_groups):
                 names = group.get("param_names") or [f"group {g} param {i}" for i in range(len(group["params"]))]
-                flags = [(n, all_finite(_local(p.grad))) for n, p in zip(names, group["params"])
-                         if p.grad is not None and _steps_here(p)]
-                if flags and not bool(torch.stack([f for _, f in flags]).all()):
-                    bad.extend(n for n, f in flags if not f)
+                flags.extend((n, all_finite(_local(p.grad))) for n, p in zip(names, group["params"])
+                             if p.grad is not None and _steps_here(p))
         # an owner-sharded parameter's gradient is its owner's business alone: others report none missing
-        local = torch.tensor([float(bool(bad))] + [float(p.grad is None and _steps_here(p)) for _, p in muon],
-                             device=self._collective_device())
-        agreed = all_reduce_max(local, self._agreement_group(), self._engine.counter)
+        missing = torch.tensor([float(p.grad is None and _steps_here(p)) for _, p in muon])
+        if device.type == "cuda":  # from pinned memory the copy does not wait for the step's kernels
+            missing = missing.pin_memory().to(device, non_blocking=True)
+        bad = torch.stack([~f for _, f in flags]).any().reshape(1) if flags else torch.zeros(1, dtype=torch.bool)
+        local = torch.cat([bad.to(device=device, dtype=torch.float32), missing.to(device)])
+        agreed = all_reduce_max(local, self._agreement_group(), self._engine.counter).tolist()  # the one host read
         if agreed[0] > 0:
-            where = bad or ["another rank's parameters"]
+            where = [n for n, f in flags if not f] or ["another rank's parameters"]
             if self.defaults["nonfinite_grads"] == "raise":
                 raise FloatingPointError(f"Non-finite gradients in {where}.")
             self.skipped_steps += 1
             warnings.warn(f"Muon skipped a step: non-finite gradients in {where}.", stacklevel=3)
             return None
-        partial = [name for (name, p), missing in zip(muon, agreed[1:].tolist())
+        partial = [name for (name, p), missing in zip(muon, agreed[1:])
                    if missing and p.grad is not None and _steps_here(p)]
         if partial:
             warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=3)
-        return {id(p) for (_, p), missing in zip(muon, agreed[1:].tolist()) if not missing and _steps_here(p)}
+        return {id(p) for (_, p), missing in zip(muon, agreed[1:]) if not missing and _steps_here(p)}
 
     def _collective_device(self) -> torch.device:
         """Where the optimizer's small collectives run: the parameters' device (NCCL groups take

@@ -544,3 +544,26 @@ def test_named_groups_that_route_to_one_algorithm():
     w.grad, b.grad = torch.randn(4, 4), torch.randn(4)
     opt.step()
     opt.load_state_dict(opt.state_dict())
+
+
+def test_a_step_reads_the_device_once(monkeypatch):
+    """Apart from AdamW's step counters (host tensors, as in torch.optim), a step reads one
+    tensor value on the host: the agreed flags. On CUDA that is the step's only synchronization;
+    the non-finite checks and everything after the agreement stay on the device."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    opt = dmuon.Muon(model, lr=0.01)
+    for _ in range(2):  # the second step runs with state, as in training
+        model(torch.randn(4, 16)).square().mean().backward()
+        reads = []
+        for name in ("tolist", "item", "__bool__", "__float__", "__int__"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(self, *args, _original=original, _name=name, **kwargs):
+                if not any(state.get("step") is self for state in opt.state.values()):
+                    reads.append(_name)
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        opt.step()
+        monkeypatch.undo()
+        assert reads == ["tolist"]
