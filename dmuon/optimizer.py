@@ -18,6 +18,7 @@ from torch.optim.adamw import adamw as adamw_update
 from dmuon.engine import Block, MatrixWork, Orthogonalizer, StepStats, unit_of
 from dmuon.exchange import all_reduce_max, all_reduce_sum, check_ranks_agree
 from dmuon.layout import detect_layout, owned_by
+from dmuon.triton_kernels import triton_usable
 from dmuon.orthogonalization import (
     NORMALIZATION_EPS, SYMMETRIC_PRODUCTS, NSConfig, gram_all_reduces, newton_schulz_flops, orthogonalize,
     resolve_config,
@@ -281,8 +282,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Invalid {bucket_bytes=}. Must be a positive int.")
         if replica_split not in (None, True, False):
             raise ValueError(f"Invalid {replica_split=}. Must be None (cost model), True or False.")
-        if symmetric_products not in SYMMETRIC_PRODUCTS:
-            raise ValueError(f"Invalid {symmetric_products=}. Must be one of {SYMMETRIC_PRODUCTS}.")
+        if symmetric_products not in (*SYMMETRIC_PRODUCTS, "auto"):
+            raise ValueError(f"Invalid {symmetric_products=}. Must be one of {(*SYMMETRIC_PRODUCTS, 'auto')}.")
         if distributed_ns not in (None, True, False):
             raise ValueError(f"Invalid {distributed_ns=}. Must be None (cost model), True or False.")
         if not (isinstance(compile, (bool, str)) or callable(compile)):
@@ -312,12 +313,15 @@ class Muon(torch.optim.Optimizer):
         self._gang_decisions: dict[tuple, dict[int, tuple[int, ...]]] = {}
         self._distributed_ns = distributed_ns
         self._symmetric = symmetric_products
+        self._symmetric_by_shape: dict[tuple[int, int], str] = {}  # "auto": measured at construction
         self._engine_options = (comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products)
         self._kernels = compile_kernels("inductor" if compile is True else compile) if compile else None
         self._engine = Orthogonalizer(bucket_bytes, comm_dtype,
                                       orthogonalize_fn=self._kernels.orthogonalize if self._kernels else orthogonalize)
         super().__init__(params, defaults)
         self._module_roles = {}  # used for routing at construction only; params may be swapped later
+        if symmetric_products == "auto":
+            self._symmetric_by_shape = self._measure_symmetric_products()
         self.plans  # detects every layout now: an unsupported one raises before any collective
         if self._agreement_group() is not None:
             self._check_ranks_agree()
@@ -536,14 +540,14 @@ class Muon(torch.optim.Optimizer):
         # what NS sees: a local stack's own matrices, or for Shard(1) the transpose
         count, m, n = matrix_shape(layout.shape, view)
         _, rows_of_p, cols_of_p = matrix_shape(p.shape, view)  # the parameter's matrix: its lr factor
-        config = _ns_config(group, (m, n), p.device.type, self._symmetric)
+        config = _ns_config(group, (m, n), p.device.type, self._symmetric_for((m, n)))
         rows = block_rows(group["ns_blocks"], rows_of_p)
         if len(rows) > 1 and layout.transposed:
             raise NotImplementedError(f"ns_blocks for parameter {name!r}: row blocks of a Shard(1) (row-wise "
                                       "tensor parallel) matrix are not supported.")
         # fused weights: each block is orthogonalized and scaled for its own shape by its owner
         blocks = () if len(rows) == 1 else tuple(
-            Block(r, _ns_config(group, (r, n), p.device.type, self._symmetric),
+            Block(r, _ns_config(group, (r, n), p.device.type, self._symmetric_for((r, n))),
                   adjusted_lr_ratio(group["adjust_lr_fn"], r, n))
             for r in rows
         )
@@ -554,7 +558,7 @@ class Muon(torch.optim.Optimizer):
             form = (rows_of_p, cols_of_p) if layout.transposed else (cols_of_p, rows_of_p)
         if form is not None:  # distributed NS on the ranks' own column blocks
             count, m, n = 1, *form
-            config = _ns_config(group, form, p.device.type, self._symmetric)
+            config = _ns_config(group, form, p.device.type, self._symmetric_for(form))
         # the exchange of Shard(1) rows and the column blocks of Shard(0) see the transpose
         transpose = layout.transposed != (form is not None)
         local = _local(p)
@@ -583,6 +587,36 @@ class Muon(torch.optim.Optimizer):
         local_shape = tuple(local.mT.shape if transpose else local.shape)
         return MatrixWork(name, local_input, apply, local_shape, local.dtype, layout, process_group,
                           count, m, n, config, blocks, gather_whole, local_piece, form is not None)
+
+    def _symmetric_for(self, shape: tuple[int, int]) -> str:
+        """The symmetric-product kernel for an m×n Newton–Schulz: the option, or with "auto" the
+        one measured faster for that shape (torch's for shapes not measured)."""
+        if self._symmetric != "auto":
+            return self._symmetric
+        return self._symmetric_by_shape.get(tuple(shape), "torch")
+
+    def _measure_symmetric_products(self) -> dict[tuple[int, int], str]:
+        """``symmetric_products="auto"``: time Newton–Schulz of each distinct matrix shape with
+        torch's products and with the Triton kernel (where Triton runs), and keep the faster.
+        Under torch.distributed the ranks add up their timings (one all_gather_object), so that
+        every rank makes the same choice: distributed NS needs the same recurrence everywhere."""
+        device = self._collective_device()
+        seconds: dict[tuple[int, int], dict[str, float]] = {}
+        if triton_usable(device):
+            from dmuon.throughput import symmetric_products_seconds  # measuring sits above the optimizer
+
+            for _, p, group, view in self._muon_params():
+                _, m, n = matrix_shape(p.shape, view)
+                if (m, n) not in seconds:
+                    config = _ns_config(group, (m, n), device.type)
+                    seconds[m, n] = symmetric_products_seconds(config, (1, m, n), device)
+        group = self._agreement_group()
+        if group is not None:
+            everyone: list[dict] = [{} for _ in range(dist.get_world_size(group))]
+            dist.all_gather_object(everyone, seconds, group=group)
+            seconds = {shape: {kind: sum(rank.get(shape, {}).get(kind, math.inf) for rank in everyone)
+                               for kind in SYMMETRIC_PRODUCTS} for shape in everyone[0]}
+        return {shape: min(times, key=times.get) for shape, times in seconds.items()}
 
     def _owner_shardings(self) -> list:
         """The owner shardings (:mod:`dmuon.owner`) of this optimizer's parameters."""

@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from dmuon.layout import Layout
 from dmuon.models import get_config, matrix_shapes, param_count
-from dmuon.orthogonalization import SYMMETRIC_PRODUCTS, newton_schulz_flops, orthogonalize, resolve_config
+from dmuon.orthogonalization import SYMMETRIC_PRODUCTS, NSConfig, newton_schulz_flops, orthogonalize, resolve_config
 from dmuon.planner import Unit, make_plan
 from dmuon.triton_kernels import triton_usable
 
 
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Best-of-``repeats`` seconds of ``fn`` after one warm-up call."""
     fn()
     best = float("inf")
@@ -45,7 +45,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, size: int = 4096, repe
     """Measured FLOP/s of a size×size×size product in ``dtype`` on ``device``."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    return 2 * size**3 / _timed(lambda: a @ b, device, repeats)
+    return 2 * size**3 / best_seconds(lambda: a @ b, device, repeats)
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def ns_throughput(
         G = torch.randn(batch, m, n, device=device)
         for method in methods:
             config = resolve_config((m, n), device.type, method=method, dtype=dtype)
-            seconds = _timed(lambda: orthogonalize(G, config), device, repeats)
+            seconds = best_seconds(lambda: orthogonalize(G, config), device, repeats)
             flops = batch * newton_schulz_flops(m, n, steps=config.steps, method=config.method,
                                                 restarts=config.restarts)
             rate = peak or matmul_peak(device, config.dtype)
@@ -118,7 +118,7 @@ def rank_share(model: str, world_size: int, device: torch.device, peak: float | 
         for (_, _, config), G in inputs.items():
             orthogonalize(G, config)
 
-    seconds = _timed(run_share, device, repeats)
+    seconds = best_seconds(run_share, device, repeats)
     rate = peak or matmul_peak(device, configs[0].dtype)
     shard = -(-param_count(config) // world_size)
     return RankShare(model, world_size, plan.matrices(busiest), seconds * 1e3, plan.flops(busiest) / rate * 1e3,
@@ -130,7 +130,7 @@ def adamw_seconds(params: int, device: torch.device, repeats: int = 3) -> float:
     weight = torch.nn.Parameter(torch.zeros(params, device=device))
     weight.grad = torch.randn(params, device=device)
     optimizer = torch.optim.AdamW([weight], lr=1e-3, fused=device.type == "cuda")
-    return _timed(optimizer.step, device, repeats)
+    return best_seconds(optimizer.step, device, repeats)
 
 
 @dataclass(frozen=True)
@@ -150,13 +150,20 @@ def symmetric_products_timing(device: torch.device, sides: Sequence[int] = (512,
         return []
     rows = []
     for side in sides:
-        G = torch.randn(batch, side, aspect * side, device=device)
-        times = []
-        for symmetric in SYMMETRIC_PRODUCTS:
-            config = resolve_config((side, aspect * side), device.type, method="gram", symmetric=symmetric)
-            times.append(_timed(lambda: orthogonalize(G, config), device, repeats) * 1e3)
-        rows.append(SymmetricTiming((side, aspect * side), batch, *times))
+        config = resolve_config((side, aspect * side), device.type, method="gram")
+        seconds = symmetric_products_seconds(config, (batch, side, aspect * side), device, repeats)
+        rows.append(SymmetricTiming((side, aspect * side), batch, seconds["torch"] * 1e3, seconds["triton"] * 1e3))
     return rows
+
+
+def symmetric_products_seconds(config: NSConfig, shape: tuple[int, ...], device: torch.device,
+                               repeats: int = 3) -> dict[str, float]:
+    """Seconds of :func:`orthogonalize` on a random stack of ``shape`` with each symmetric-product
+    kernel (``config.symmetric`` ignored); Triton must be usable on ``device``. Its own random
+    generator: measuring leaves the caller's random stream as it was."""
+    G = torch.randn(shape, device=device, generator=torch.Generator(device).manual_seed(0))
+    return {symmetric: best_seconds(lambda c=replace(config, symmetric=symmetric): orthogonalize(G, c), device, repeats)
+            for symmetric in SYMMETRIC_PRODUCTS}
 
 
 def gpu_report(device: torch.device, models: Sequence[str] = ("llama-3.1-8b", "llama-3.1-70b"),

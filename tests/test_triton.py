@@ -1,8 +1,8 @@
 """The Triton symmetric-product kernel (``dmuon.triton_kernels``), tested on CPU through Triton's
 interpreter, as CI runs it: the lower-triangle Gram matrix and symmetric products against
-``torch.bmm``/``baddbmm``, Newton–Schulz
-and a ``dmuon.Muon`` step with ``symmetric_products="triton"`` against the plain path. Skipped,
-with the reason, when Triton is not installed."""
+``torch.bmm``/``baddbmm``, Newton–Schulz and a ``dmuon.Muon`` step with
+``symmetric_products="triton"`` (and "auto", which measures both) against the plain path.
+Skipped, with the reason, when Triton is not installed."""
 
 from __future__ import annotations
 
@@ -54,6 +54,15 @@ def interpreter_checks() -> None:
         results.append(layer.weight.detach().clone())
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
     assert not torch.equal(results[0], nn.Linear(96, 32, bias=False).weight)
+    # "auto" times both kernels per shape at construction: the interpreter is far slower than
+    # torch's products, so torch's are kept, and the step is the plain one
+    torch.manual_seed(1)
+    layer = nn.Linear(96, 32, bias=False)
+    opt = dmuon.Muon(layer, lr=0.05, ns_dtype=torch.float32, symmetric_products="auto")
+    assert opt._symmetric_by_shape == {(32, 96): "torch"}
+    layer(torch.randn(8, 96)).square().mean().backward()
+    opt.step()
+    assert torch.equal(layer.weight.detach(), results[0])
 
 
 def test_triton_kernel_under_the_interpreter():
@@ -71,3 +80,5 @@ def test_triton_on_cpu_without_the_interpreter_is_refused_early():
         dmuon.Muon(nn.Linear(8, 8), symmetric_products="triton")
     with pytest.raises(ValueError, match="Invalid symmetric_products='cublas'"):
         dmuon.Muon(nn.Linear(8, 8), symmetric_products="cublas")
+    opt = dmuon.Muon(nn.Linear(8, 8), symmetric_products="auto")  # nothing to measure: torch's products
+    assert opt._symmetric_by_shape == {}
