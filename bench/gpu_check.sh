@@ -5,7 +5,9 @@
 #      one rank needs for its share of Llama-3.1-8B at 8 and 64 ranks, against its FLOP lower bound
 #      and against fused AdamW on the same rank's shard; Gram NS with torch's symmetric products
 #      against the Triton one-triangle kernel per size (the data for a cut-off);
-#   3. the side-by-side training table on one GPU (all three from dmuon bench --device cuda).
+#   3. the side-by-side training table on one GPU (all three from dmuon bench --device cuda);
+#   4. CUDA graphs: replayed Newton–Schulz against eager (results, time), Muon steps with and
+#      without cuda_graphs (bitwise), and the host synchronizations of one step.
 # Usage: bash bench/gpu_check.sh [OUTPUT_DIR]   (default: gpu_check_results/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +33,49 @@ for m, n in [(512, 2048), (2048, 512), (1024, 1024), (256, 4096)]:
             worst = max(worst, err)
             print(f"{m}x{n} {method:>8} fp16 rel. error vs exact polynomial: {err:.2e}")
 print("worst", worst, "PASS" if worst <= 3e-2 else "FAIL")
+PY
+python - <<'PY' 2>&1 | tee "$out/cuda_graphs_and_syncs.txt"
+# Newton–Schulz replayed from CUDA graphs against eager calls (results and time), a dmuon.Muon
+# step with and without cuda_graphs (bitwise), and the host synchronizations of one step.
+import warnings
+import torch
+from torch import nn
+import dmuon
+from dmuon.cuda_graphs import GraphedOrthogonalize
+from dmuon.orthogonalization import orthogonalize, resolve_config
+from dmuon.throughput import best_seconds
+device = torch.device("cuda")
+graphed = GraphedOrthogonalize(orthogonalize)
+for shape in [(16, 512, 512), (8, 1024, 1024), (4, 1024, 4096), (2, 4096, 14336)]:
+    config = resolve_config(shape[-2:], "cuda")
+    G = torch.randn(shape, device=device)
+    same = torch.equal(graphed(G, config), orthogonalize(G, config))
+    eager = best_seconds(lambda: orthogonalize(G, config), device, 10)
+    replayed = best_seconds(lambda: graphed(G, config), device, 10)
+    print(f"NS {shape}: graphed result {'bitwise equal' if same else 'DIFFERS'}; eager {eager * 1e3:.3f} ms, "
+          f"replayed {replayed * 1e3:.3f} ms ({eager / replayed:.2f}x)")
+weights = []
+for graphs in (False, True):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]).to(device)
+    opt = dmuon.Muon(model, lr=0.02, cuda_graphs=graphs)
+    for step in range(3):
+        model(torch.randn(64, 1024, device=device)).square().mean().backward()
+        if step == 2:
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+            torch.cuda.set_sync_debug_mode("default")
+            print(f"cuda_graphs={graphs}: host synchronizations in one step: {len(caught)}")
+            for w in caught:
+                print("   ", str(w.message).splitlines()[0])
+        else:
+            opt.step()
+        opt.zero_grad()
+    weights.append([p.detach().clone() for p in model.parameters()])
+print("Muon steps with and without CUDA graphs:",
+      "bitwise equal" if all(torch.equal(a, b) for a, b in zip(*weights)) else "DIFFER")
 PY
 dmuon bench --device cuda --world-size 1 --steps 5 --warmup 2 --batch-size 16 --seq-len 512 \
     --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"

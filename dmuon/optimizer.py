@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw as adamw_update
 
+from dmuon.cuda_graphs import GraphedOrthogonalize
 from dmuon.engine import Block, MatrixWork, Orthogonalizer, StepStats, unit_of
 from dmuon.exchange import all_reduce_max, all_reduce_sum, check_ranks_agree
 from dmuon.layout import detect_layout, owned_by
@@ -273,6 +274,7 @@ class Muon(torch.optim.Optimizer):
         distributed_ns: bool | None = None,
         symmetric_products: str = "torch",
         compile: bool | str | Callable = False,
+        cuda_graphs: bool = False,
     ) -> None:
         if nonfinite_grads not in NONFINITE_POLICIES:
             raise ValueError(f"Invalid {nonfinite_grads=}. Must be one of {NONFINITE_POLICIES}.")
@@ -284,6 +286,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Invalid {replica_split=}. Must be None (cost model), True or False.")
         if symmetric_products not in (*SYMMETRIC_PRODUCTS, "auto"):
             raise ValueError(f"Invalid {symmetric_products=}. Must be one of {(*SYMMETRIC_PRODUCTS, 'auto')}.")
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"Invalid {cuda_graphs=}. Must be a bool.")
         if distributed_ns not in (None, True, False):
             raise ValueError(f"Invalid {distributed_ns=}. Must be None (cost model), True or False.")
         if not (isinstance(compile, (bool, str)) or callable(compile)):
@@ -316,8 +320,8 @@ class Muon(torch.optim.Optimizer):
         self._symmetric_by_shape: dict[tuple[int, int], str] = {}  # "auto": measured at construction
         self._engine_options = (comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products)
         self._kernels = compile_kernels("inductor" if compile is True else compile) if compile else None
-        self._engine = Orthogonalizer(bucket_bytes, comm_dtype,
-                                      orthogonalize_fn=self._kernels.orthogonalize if self._kernels else orthogonalize)
+        ns = self._kernels.orthogonalize if self._kernels else orthogonalize
+        self._engine = Orthogonalizer(bucket_bytes, comm_dtype, orthogonalize_fn=GraphedOrthogonalize(ns) if cuda_graphs else ns)
         super().__init__(params, defaults)
         self._module_roles = {}  # used for routing at construction only; params may be swapped later
         if symmetric_products == "auto":
