@@ -19,7 +19,6 @@ from dmuon.cuda_graphs import GraphedOrthogonalize
 from dmuon.engine import Block, MatrixWork, Orthogonalizer, StepStats, unit_of
 from dmuon.exchange import all_reduce_max, all_reduce_sum, check_ranks_agree
 from dmuon.layout import detect_layout, owned_by
-from dmuon.triton_kernels import triton_usable
 from dmuon.orthogonalization import (
     NORMALIZATION_EPS, SYMMETRIC_PRODUCTS, NSConfig, gram_all_reduces, newton_schulz_flops, orthogonalize,
     resolve_config,
@@ -29,6 +28,7 @@ from dmuon.planner import (
     split_replicas_is_cheaper,
 )
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, block_rows, default_route, matrix_shape, module_roles
+from dmuon.triton_kernels import triton_usable
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
@@ -761,11 +761,11 @@ class Muon(torch.optim.Optimizer):
                 flags.extend((n, all_finite(_local(p.grad))) for n, p in zip(names, group["params"])
                              if p.grad is not None and _steps_here(p))
         # an owner-sharded parameter's gradient is its owner's business alone: others report none missing
-        missing = torch.tensor([float(p.grad is None and _steps_here(p)) for _, p in muon])
+        no_grad = torch.tensor([float(p.grad is None and _steps_here(p)) for _, p in muon])
         if device.type == "cuda":  # from pinned memory the copy does not wait for the step's kernels
-            missing = missing.pin_memory().to(device, non_blocking=True)
+            no_grad = no_grad.pin_memory().to(device, non_blocking=True)
         bad = torch.stack([~f for _, f in flags]).any().reshape(1) if flags else torch.zeros(1, dtype=torch.bool)
-        local = torch.cat([bad.to(device=device, dtype=torch.float32), missing.to(device)])
+        local = torch.cat([bad.to(device=device, dtype=torch.float32), no_grad.to(device)])
         agreed = all_reduce_max(local, self._agreement_group(), self._engine.counter).tolist()  # the one host read
         if agreed[0] > 0:
             where = [n for n, f in flags if not f] or ["another rank's parameters"]
