@@ -49,7 +49,7 @@ from dmuon.layout import Layout
 from dmuon.models import PRESETS, LlamaConfig, get_config, matrix_shapes, param_count
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops, resolve_config
 from dmuon.planner import (
-    DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, choose_gangs, gang_member_cost, make_plan,
+    DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, choose_gangs, gang_costs, make_plan,
     plan_ownership,
 )
 
@@ -261,8 +261,7 @@ def split_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...], tuple[Sp
     units, configs = _units(workload)
     gangs: dict[int, tuple[int, ...]] = {}
     if workload.split and workload.mode != "owner" and workload.world_size > 1:
-        gangs = choose_gangs(units, lambda i, k: gang_member_cost(units[i], configs[i], k), workload.world_size,
-                             _replicas(workload))
+        gangs = choose_gangs(units, gang_costs(units, configs), workload.world_size, _replicas(workload))
     rest = [i for i in range(len(units)) if i not in gangs]
     split = tuple(SplitUnit(units[i], configs[i], gangs[i]) for i in sorted(gangs))
     return _plan([units[i] for i in rest], workload), tuple(configs[i] for i in rest), split

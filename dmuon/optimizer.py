@@ -24,7 +24,7 @@ from dmuon.orthogonalization import (
     resolve_config,
 )
 from dmuon.planner import (
-    DEFAULT_BUCKET_BYTES, Plan, choose_distributed, choose_gangs, distributed_cost, gang_member_cost,
+    DEFAULT_BUCKET_BYTES, Plan, choose_distributed, choose_gangs, distributed_cost, gang_costs,
     split_replicas_is_cheaper,
 )
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, block_rows, default_route, matrix_shape, module_roles
@@ -321,7 +321,8 @@ class Muon(torch.optim.Optimizer):
         self._engine_options = (comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products)
         self._kernels = compile_kernels("inductor" if compile is True else compile) if compile else None
         ns = self._kernels.orthogonalize if self._kernels else orthogonalize
-        self._engine = Orthogonalizer(bucket_bytes, comm_dtype, orthogonalize_fn=GraphedOrthogonalize(ns) if cuda_graphs else ns)
+        self._engine = Orthogonalizer(bucket_bytes, comm_dtype,
+                                      orthogonalize_fn=GraphedOrthogonalize(ns) if cuda_graphs else ns)
         super().__init__(params, defaults)
         self._module_roles = {}  # used for routing at construction only; params may be swapped later
         if symmetric_products == "auto":
@@ -488,10 +489,8 @@ class Muon(torch.optim.Optimizer):
             if units not in self._gang_decisions:
                 layout = group_works[0].layout
                 fpb = self._engine.flops_per_byte
-                configs = [w.config for w in group_works]
-                self._gang_decisions[units] = choose_gangs(
-                    units, lambda i, k: gang_member_cost(units[i], configs[i], k, fpb), layout.size, layout.replicas,
-                    flops_per_byte=fpb)
+                costs = gang_costs(units, [w.config for w in group_works], fpb)
+                self._gang_decisions[units] = choose_gangs(units, costs, layout.size, layout.replicas, flops_per_byte=fpb)
             for j, gang in self._gang_decisions[units].items():
                 works[eligible[members[j]]] = replace(works[eligible[members[j]]], gang=gang)
         return works

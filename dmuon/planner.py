@@ -314,26 +314,33 @@ def gang_member_cost(unit: Unit, config: NSConfig, k: int, flops_per_byte: float
             + flops_per_byte * 2 * slice_bytes)
 
 
-def choose_gangs(units: Sequence[Unit], gang_costs: Callable[[int, int], float | None], size: int,
-                 replicas: int = 1, *, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> dict[int, tuple[int, ...]]:
+def gang_costs(units: Sequence[Unit], configs: Sequence[NSConfig], flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE
+               ) -> Callable[[int, int], float | None]:
+    """:func:`gang_member_cost` as :func:`choose_gangs` takes it: (unit index, gang size) → cost."""
+    return lambda i, k: gang_member_cost(units[i], configs[i], k, flops_per_byte)
+
+
+def choose_gangs(units: Sequence[Unit], member_cost: Callable[[int, int], float | None], size: int,
+                 replicas: int = 1, *, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE
+                 ) -> dict[int, tuple[int, ...]]:
     """The units to split over *gangs* of ranks, and each one's gang (positions): unit index →
-    positions. ``gang_costs(i, k)`` is what each member pays for unit i in a gang of k
-    (:func:`gang_member_cost`), None where unit i cannot be split.
+    positions. ``member_cost(i, k)`` is what each member pays for unit i in a gang of k
+    (:func:`gang_costs`), None where unit i cannot be split.
 
     The split units run first, each gang on its own ranks, all gangs at once (gangs are
     disjoint: consecutive positions, k each); then the other units go to owners as usual. The
     makespan of a choice is the costliest gang, plus every position sending its rows of the
     split units and receiving its rows of their updates, plus the busiest position's load from
-    the rest (LPT, as :func:`make_plan`; its bytes estimated per position). Candidates are taken costliest first; tried are gang sizes k = 2, 4, 8, … and the
-    whole group, each with as many units as fit (size // k) or fewer, cut where the unit cost
-    changes (same-shape matrices are split all or none). No split wins unless it lowers the
-    makespan: it pays when there are fewer matrices than ranks or one matrix is far larger
-    than the rest.
+    the rest (LPT, as :func:`make_plan`; its bytes estimated per position). Candidates are
+    taken costliest first; tried are gang sizes k = 2, 4, 8, … and the whole group, each with
+    as many units as fit (size // k) or fewer, cut where the unit cost changes (same-shape
+    matrices are split all or none). No split wins unless it lowers the makespan: it pays when
+    there are fewer matrices than ranks or one matrix is far larger than the rest.
     """
     shards = size // replicas
     owner_costs = [owner_cost(u, size, flops_per_byte) for u in units]
     names = [u.name for u in units]
-    order = [i for i in costliest_first(owner_costs, names) if gang_costs(i, 2) is not None]
+    order = [i for i in costliest_first(owner_costs, names) if member_cost(i, 2) is not None]
 
     def owned_makespan(rest: list[int]) -> float:
         # a fast stand-in for make_plan(...).makespan_cost (thousands of ranks, tens of trials):
@@ -350,7 +357,7 @@ def choose_gangs(units: Sequence[Unit], gang_costs: Callable[[int, int], float |
         chosen = set(split)
         moved = 2 * sum(-(-units[i].total_bytes // shards) for i in split)
         return (owned_makespan([i for i in range(len(units)) if i not in chosen])
-                + max(gang_costs(i, k) for i in split) + flops_per_byte * moved)
+                + max(member_cost(i, k) for i in split) + flops_per_byte * moved)
 
     best, choice = owned_makespan(list(range(len(units)))), ((), 0)
     levels = {t for t in range(1, len(order)) if owner_costs[order[t]] != owner_costs[order[t - 1]]}
@@ -358,7 +365,7 @@ def choose_gangs(units: Sequence[Unit], gang_costs: Callable[[int, int], float |
     for k in sizes:
         fits = min(len(order), size // k)
         for t in sorted({t for t in levels if t <= fits} | ({fits} if fits else set())):
-            if any(gang_costs(i, k) is None for i in order[:t]):
+            if any(member_cost(i, k) is None for i in order[:t]):
                 continue
             cost = makespan(order[:t], k)
             if cost < best:

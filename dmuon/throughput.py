@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -162,8 +163,8 @@ def symmetric_products_seconds(config: NSConfig, shape: tuple[int, ...], device:
     kernel (``config.symmetric`` ignored); Triton must be usable on ``device``. Its own random
     generator: measuring leaves the caller's random stream as it was."""
     G = torch.randn(shape, device=device, generator=torch.Generator(device).manual_seed(0))
-    return {symmetric: best_seconds(lambda c=replace(config, symmetric=symmetric): orthogonalize(G, c), device, repeats)
-            for symmetric in SYMMETRIC_PRODUCTS}
+    configs = {symmetric: replace(config, symmetric=symmetric) for symmetric in SYMMETRIC_PRODUCTS}
+    return {symmetric: best_seconds(partial(orthogonalize, G, c), device, repeats) for symmetric, c in configs.items()}
 
 
 def gpu_report(device: torch.device, models: Sequence[str] = ("llama-3.1-8b", "llama-3.1-70b"),

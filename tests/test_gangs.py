@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import dmuon
 from dmuon.layout import Layout
 from dmuon.orthogonalization import newton_schulz_flops, resolve_config
-from dmuon.planner import Unit, choose_gangs, gang_member_cost
+from dmuon.planner import Unit, choose_gangs, gang_costs
 from tests.distributed import run_on_ranks
 
 HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=torch.float32)
@@ -35,7 +35,7 @@ def units_of(shapes: list[tuple[int, int]], size: int) -> tuple[list[Unit], list
 
 def gangs_for(shapes: list[tuple[int, int]], size: int) -> dict[int, tuple[int, ...]]:
     units, configs = units_of(shapes, size)
-    return choose_gangs(units, lambda i, k: gang_member_cost(units[i], configs[i], k), size)
+    return choose_gangs(units, gang_costs(units, configs), size)
 
 
 def test_planner_splits_only_where_the_makespan_drops():
@@ -65,7 +65,7 @@ def test_when_splitting_pays_at_scale(model, world, split):
 
     plan, configs = build_plan(Workload(load_model_config(model), world, "fsdp2", PROFILES["h100"]))
     units = list(plan.units)
-    gangs = choose_gangs(units, lambda i, k: gang_member_cost(units[i], configs[i], k), world)
+    gangs = choose_gangs(units, gang_costs(units, configs), world)
     assert bool(gangs) == split
     positions = [p for g in gangs.values() for p in g]
     assert len(positions) == len(set(positions)) <= world and all(len(g) >= 2 for g in gangs.values())
