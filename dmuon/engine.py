@@ -281,7 +281,7 @@ class Orthogonalizer:
         planned = [w for w in works if self._planned(w)]
         for members in self.group_indices(planned):
             self._run_group([planned[i] for i in members])
-        self._run_gathered([w for w in works if w.layout.gathered])
+        self._run_gathered([w for w in works if w.layout.gathered and not w.column_blocks])
         self._run_column_blocks([w for w in works if w.column_blocks])
         self.stats.bytes_sent = self.counter.bytes_sent
         self.stats.collectives = self.counter.collectives

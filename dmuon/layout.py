@@ -54,6 +54,9 @@ class Layout:
     # any other DTensor layout (FSDP + tensor parallel, 2-D blocks): the NS input is gathered
     # whole on every rank, the owner orthogonalizes it and broadcasts the result
     gathered: bool = False
+    # gathered, but every placement shards dim 0 (FSDP + column-wise TP: _StridedShard(0),
+    # Shard(0)): the ranks hold disjoint whole rows, so distributed NS can run on them in place
+    rows_partitioned: bool = False
 
     @property
     def size(self) -> int:
@@ -183,7 +186,8 @@ def detect_layout(
         return Layout((shape[1], shape[0]), 1, mesh.size(0), _group_ranks(group), transposed=True), group
     mesh_ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
     if not any(p.is_partial() for p in placements) and mesh_ranks == tuple(range(dist.get_world_size())):
-        return Layout(shape, 1, len(mesh_ranks), mesh_ranks, gathered=True), dist.group.WORLD
+        return Layout(shape, 1, len(mesh_ranks), mesh_ranks, gathered=True,
+                      rows_partitioned=len(shape) == 2 and _splits_dim0_only(placements)), dist.group.WORLD
     raise NotImplementedError(
         f"dmuon.Muon does not support the layout of parameter {name!r}: placements "
         f"{placements} on a {mesh.ndim}-D mesh of ranks {list(mesh_ranks)}. Supported: plain/DDP "

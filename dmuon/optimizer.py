@@ -108,9 +108,10 @@ def _scalar(value: float | Tensor, device: torch.device) -> Tensor:
 
 def _splittable(p: Tensor, layout, process_group, blocks: tuple) -> bool:
     """Whether the ranks holding ``p``'s shards can orthogonalize it together on their own
-    column blocks (distributed NS): a matrix sharded on one dim over one group, unfused."""
+    column blocks (distributed NS): a matrix sharded on one dim over one group — or on dim 0
+    over every dim of a mesh of all ranks (FSDP + column-wise TP) — unfused."""
     return (isinstance(p, DTensor) and p.ndim == 2 and process_group is not None and not blocks
-            and not layout.gathered and layout.replicas == 1 and layout.shards > 1)
+            and (not layout.gathered or layout.rows_partitioned) and layout.replicas == 1 and layout.shards > 1)
 
 
 def _gang_eligible(work: MatrixWork) -> bool:
@@ -583,7 +584,7 @@ class Muon(torch.optim.Optimizer):
             local.add_(update.to(local.dtype), alpha=-lr * ratio)
 
         gather_whole = local_piece = None
-        if layout.gathered:
+        if layout.gathered and form is None:
             mesh, placements = p.device_mesh, p.placements
             gather_whole = partial(_gather_whole, local_input, mesh, placements, p.shape, p.stride())
             local_piece = partial(_piece_of, mesh=mesh, placements=placements)

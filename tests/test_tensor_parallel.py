@@ -166,16 +166,21 @@ def test_column_block_newton_schulz_matches_one_process(world, method, rows):
         torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("parallel,world", [("tp", 2), ("tp", 4), ("fsdp", 3)])
+@pytest.mark.parametrize("parallel,world", [("tp", 2), ("tp", 4), ("fsdp", 3), ("fsdp+tp", 4)])
 def test_distributed_ns_training_matches_single_process(reference, parallel, world):
     """``distributed_ns=True``: row-wise TP (column blocks), column-wise TP and FSDP2 (row
-    blocks, as the transpose) — no gather, each rank does the small-side recurrence."""
+    blocks, as the transpose) — no gather, each rank does the small-side recurrence. FSDP + TP
+    on a 2×2 mesh: the column-wise matrix, whose rows the four ranks hold disjointly
+    (``_StridedShard(0), Shard(0)``), is split in place too; the row-wise one, held as 2-D
+    blocks, still goes through the gathered fallback (one owner)."""
     results = run_on_ranks(world, train, parallel, distributed_ns=True)
     for rank, r in enumerate(results):
         for name, value in r["params"].items():
             torch.testing.assert_close(value, reference["params"][name], rtol=1e-4, atol=1e-5, msg=f"{rank} {name}")
-        assert r["planned"] == [] and r["matrices"] == 2  # nothing went through the owner exchange
+        assert r["planned"] == []  # nothing went through the owner exchange
         assert r["placements"][0] == r["placements"][1]
+    # a split matrix counts on every rank of its group; a gathered one on its owner only
+    assert sum(r["matrices"] for r in results) == (2 * world if parallel != "fsdp+tp" else world + 1)
 
 
 def test_planner_splits_a_matrix_only_when_it_lowers_the_makespan():
