@@ -326,11 +326,11 @@ class Muon(torch.optim.Optimizer):
                                       orthogonalize_fn=GraphedOrthogonalize(ns) if cuda_graphs else ns)
         super().__init__(params, defaults)
         self._module_roles = {}  # used for routing at construction only; params may be swapped later
-        if symmetric_products == "auto":
-            self._symmetric_by_shape = self._measure_symmetric_products()
         self.plans  # detects every layout now: an unsupported one raises before any collective
         if self._agreement_group() is not None:
             self._check_ranks_agree()
+        if symmetric_products == "auto":  # a collective: after the ranks agree on the options
+            self._symmetric_by_shape = self._measure_symmetric_products()
 
     # ------------------------------------------------------------------ groups and routing
 

@@ -82,3 +82,19 @@ def test_triton_on_cpu_without_the_interpreter_is_refused_early():
         dmuon.Muon(nn.Linear(8, 8), symmetric_products="cublas")
     opt = dmuon.Muon(nn.Linear(8, 8), symmetric_products="auto")  # nothing to measure: torch's products
     assert opt._symmetric_by_shape == {}
+
+
+def auto_on_ranks() -> dict:
+    layer = nn.Linear(16, 8, bias=False)
+    opt = dmuon.Muon(layer, symmetric_products="auto")  # the ranks exchange their (empty) timings
+    layer(torch.randn(4, 16)).square().mean().backward()
+    opt.step()
+    return opt._symmetric_by_shape
+
+
+def test_auto_agrees_across_ranks_without_triton():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process runs Triton's interpreter")
+    from tests.distributed import run_on_ranks
+
+    assert run_on_ranks(2, auto_on_ranks) == [{}, {}]
