@@ -297,21 +297,34 @@ def choose_distributed(units: Sequence[Unit], costs: Sequence[float | None], siz
     return chosen
 
 
+def gang_slice_elements(unit: Unit, k: int) -> int:
+    """Elements of one member's slice when ``unit`` is split over a gang of ``k``: the short side
+    by its share of the long side (the largest share, ⌈long/k⌉)."""
+    short, long = sorted((unit.m, unit.n))
+    return unit.count * short * -(-long // k)
+
+
+def gang_member_flops(unit: Unit, config: NSConfig, k: int) -> int:
+    """NS FLOPs of one member of a gang of ``k``: the products on its slice of the long side,
+    and the short-side recurrence every member repeats."""
+    short, long = sorted((unit.m, unit.n))
+    return unit.count * newton_schulz_flops(short, -(-long // k), steps=config.steps, method=config.method,
+                                            restarts=config.restarts, gram_side=short)
+
+
 def gang_member_cost(unit: Unit, config: NSConfig, k: int, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE
                      ) -> float | None:
     """Time-equivalent (in FLOPs) each member of a gang of ``k`` pays for orthogonalizing
-    ``unit`` together (:func:`choose_gangs`): its NS products — on its slice of the long side,
-    and the short-side recurrence every member repeats — the all-reduces of the short-side
-    Gram matrix (fp32), and receiving its slice and sending its update back. None where the
-    long side has fewer rows or columns than members."""
-    short, long = sorted((unit.m, unit.n))
-    if k > long:
+    ``unit`` together (:func:`choose_gangs`): its NS products (:func:`gang_member_flops`), the
+    all-reduces of the short-side Gram matrix (fp32), and receiving its slice and sending its
+    update back. None where the long side has fewer rows or columns than members."""
+    short = min(unit.m, unit.n)
+    if k > max(unit.m, unit.n):
         return None
-    member_flops = unit.count * newton_schulz_flops(short, -(-long // k), steps=config.steps, method=config.method,
-                                                    restarts=config.restarts, gram_side=short)
-    slice_bytes = unit.count * short * -(-long // k) * unit.itemsize
-    return (distributed_cost(member_flops, 4 * unit.count * short**2, gram_all_reduces(config), k, flops_per_byte)
-            + flops_per_byte * 2 * slice_bytes)
+    gram_bytes = 4 * unit.count * short**2
+    return (distributed_cost(gang_member_flops(unit, config, k), gram_bytes, gram_all_reduces(config), k,
+                             flops_per_byte)
+            + flops_per_byte * 2 * gang_slice_elements(unit, k) * unit.itemsize)
 
 
 def gang_costs(units: Sequence[Unit], configs: Sequence[NSConfig], flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE

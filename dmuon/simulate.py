@@ -41,8 +41,8 @@ from dmuon.costmodel import (
     data_parallel_seconds, exposed_step_seconds, forward_backward_seconds, link, local_params, memory_seconds,
     normalize_bytes, ns_prep_bytes, ns_seconds, pack_bytes, split_plan, vanilla_muon_step_seconds,
 )
-from dmuon.orthogonalization import NSConfig, gram_all_reduces, newton_schulz_flops
-from dmuon.planner import Plan, Unit
+from dmuon.orthogonalization import NSConfig, gram_all_reduces
+from dmuon.planner import Plan, Unit, gang_member_flops, gang_slice_elements
 
 
 @dataclass
@@ -260,6 +260,11 @@ def measured_elementwise_efficiency(workload: Workload, optimizer_step: float, n
     return min(1.0, elementwise / measured) if measured > 0 else 1.0
 
 
+def _row_shards(workload: Workload) -> int:
+    """Shards of each Muon matrix's rows: one under DDP (replicated), every rank otherwise."""
+    return 1 if workload.mode == "ddp" else workload.world_size
+
+
 def gang_phase_seconds(split: tuple[SplitUnit, ...], workload: Workload) -> float:
     """The matrices split over gangs, before the owned ones (the engine's ``_run_gangs``): every
     rank sends the members its rows of the split matrices, each gang runs distributed NS — its
@@ -270,9 +275,9 @@ def gang_phase_seconds(split: tuple[SplitUnit, ...], workload: Workload) -> floa
     does the element-wise work (check, momentum, NS input, apply) on its rows of them."""
     if not split:
         return 0.0
-    profile, size = workload.profile, workload.world_size
+    profile = workload.profile
     bandwidth, latency = link(workload)
-    shards = size // (size if workload.mode == "ddp" else 1)
+    shards = _row_shards(workload)
     rows = sum(-(-s.unit.total_bytes // shards) for s in split) if shards > 1 else 0
     # every rank's element-wise work on its rows of them: check, momentum, NS input, apply
     local = sum(s.unit.count * s.unit.m * s.unit.n for s in split) / shards
@@ -281,13 +286,10 @@ def gang_phase_seconds(split: tuple[SplitUnit, ...], workload: Workload) -> floa
     gangs = []
     for s in split:
         unit, config, k = s.unit, s.config, len(s.gang)
-        short, long = sorted((unit.m, unit.n))
-        slice_elements = unit.count * short * -(-long // k)
-        flops = unit.count * newton_schulz_flops(short, -(-long // k), steps=config.steps, method=config.method,
-                                                 restarts=config.restarts, gram_side=short)
-        gram_bytes = 4 * unit.count * short**2
+        slice_elements = gang_slice_elements(unit, k)
+        gram_bytes = 4 * unit.count * min(unit.m, unit.n) ** 2
         ring = latency + 2 * (k - 1) / k * gram_bytes / (bandwidth * profile.ring_efficiency("all_reduce"))
-        gangs.append((ns_seconds(flops, config, workload)
+        gangs.append((ns_seconds(gang_member_flops(unit, config, k), config, workload)
                       + memory_seconds(slice_elements * normalize_bytes(config.dtype), workload)
                       + gram_all_reduces(config) * ring, slice_elements * unit.itemsize))
     member_bytes = max(b for _, b in gangs)
@@ -388,15 +390,12 @@ def predict(workload: Workload, model: str = "") -> Prediction:
     traffic = total_traffic(costs, size)
     sent = (traffic.intra_out + traffic.inter_out).double()
     flops = torch.tensor([plan.flops(p) for p in range(size)], dtype=torch.float64)
-    shards = 1 if workload.mode == "ddp" else size
+    shards = _row_shards(workload)
     for s in split:  # a rank's rows out to the gang; a member's slice out to every other rank
-        short, long = sorted((s.unit.m, s.unit.n))
         sent += -(-s.unit.total_bytes // shards) if shards > 1 else 0
         gang = list(s.gang)
-        sent[gang] += s.unit.count * short * -(-long // len(gang)) * s.unit.itemsize * (size - 1) / size
-        flops[gang] += s.unit.count * newton_schulz_flops(short, -(-long // len(gang)), steps=s.config.steps,
-                                                          method=s.config.method, restarts=s.config.restarts,
-                                                          gram_side=short)
+        sent[gang] += gang_slice_elements(s.unit, len(gang)) * s.unit.itemsize * (size - 1) / size
+        flops[gang] += gang_member_flops(s.unit, s.config, len(gang))
     units = [*plan.units, *(s.unit for s in split)]
     all_configs = [*configs, *(s.config for s in split)]
     adamw_step, vanilla_step, dmuon_step = base_fb + adamw_opt, base_fb + vanilla_opt, ours_fb + dmuon_opt
