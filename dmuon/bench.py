@@ -46,6 +46,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from dmuon.cli import (
+    UsageError, name_list, non_negative_float, non_negative_int, output_path, positive_float, positive_int,
+)
 from dmuon.demo import CONFIGS as OPTIMIZERS
 from dmuon.demo import report_progress
 from dmuon.models import PRESETS, Llama, SyntheticTokens, get_config
@@ -270,40 +273,62 @@ def plot(results: list[BenchResult], path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world-size", type=positive_int, default=2,
+                        help="ranks to spawn (default: %(default)s)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: gloo ranks; cuda: one GPU per rank with NCCL")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="bench")
-    parser.add_argument("--layers", type=int, help="override the preset's depth (real shapes, fewer layers)")
-    parser.add_argument("--steps", type=int, default=4, help="measured steps per configuration")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS),
-                        help=f"comma-separated subset of {','.join(CONFIGS)}")
+                        help="cpu: gloo ranks; cuda: one GPU per rank with NCCL (default: %(default)s)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="bench",
+                        help="model preset (default: %(default)s)")
+    parser.add_argument("--layers", type=positive_int,
+                        help="override the preset's depth: real shapes, fewer layers (default: the preset's)")
+    parser.add_argument("--steps", type=positive_int, default=4,
+                        help="measured steps per configuration (default: %(default)s)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1,
+                        help="unmeasured steps before them (default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank (default: %(default)s)")
+    parser.add_argument("--seq-len", type=positive_int, default=128,
+                        help="tokens per sequence, at most the preset's max_seq_len (default: %(default)s)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="learning rate (default: %(default)s)")
+    parser.add_argument("--weight-decay", type=non_negative_float, default=0.1,
+                        help="decoupled weight decay (default: %(default)s)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
+    parser.add_argument("--configs", type=name_list(CONFIGS), default=list(CONFIGS),
+                        help=f"comma-separated subset of {','.join(CONFIGS)} (default: all)")
     parser.add_argument("--peers", action="store_true",
-                        help="add every installed peer implementation (pip install 'dmuon[peers]')")
-    parser.add_argument("--json", metavar="PATH", help="write one record per configuration")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG of the results (needs matplotlib)")
+                        help="add every installed peer implementation (pip install 'dmuon[peers]') (default: off)")
+    parser.add_argument("--json", metavar="PATH", type=output_path,
+                        help="write one record per configuration (default: none)")
+    parser.add_argument("--plot", metavar="PATH", type=output_path,
+                        help="write a PNG of the results; needs matplotlib (default: none)")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """What spans several arguments or needs a look at the machine, checked before any rank starts."""
+    max_seq_len = PRESETS[args.preset].max_seq_len
+    if args.seq_len > max_seq_len:
+        raise UsageError("--seq-len", f"invalid value {args.seq_len}: above the {args.preset} preset's "
+                                      f"max_seq_len {max_seq_len}")
+    if args.device == "cuda":
+        visible = torch.cuda.device_count()
+        if not visible:
+            raise UsageError("--device", "invalid value 'cuda': no GPU is visible")
+        if args.world_size > visible:
+            raise UsageError("--world-size", f"invalid value {args.world_size}: --device cuda runs one rank per "
+                                             f"GPU, and {visible} are visible")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot", "needs matplotlib: pip install 'dmuon[bench]'") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    unknown = [c for c in args.configs if c not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown configs {unknown}; choose from {CONFIGS}")
     if args.peers:
         peers, missing = peer_configs()
         args.configs = [*args.configs, *peers]
         for package, reason in missing.items():
             print(f"peer {package} skipped: {reason}", file=sys.stderr)
-    if args.steps < 1 or args.warmup < 0:
-        raise SystemExit(f"need --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
-    if args.device == "cuda" and args.world_size > torch.cuda.device_count():
-        raise SystemExit(f"--world-size {args.world_size} needs as many GPUs; {torch.cuda.device_count()} visible")
     print(f"dmuon bench: {args.preset} preset, {args.world_size} {args.device} ranks x {args.threads} thread(s), "
           f"{len(args.configs)} configurations", file=sys.stderr, flush=True)
     results = []

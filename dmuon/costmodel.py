@@ -181,8 +181,9 @@ class Workload:
         if not 0 < self.elementwise_efficiency <= 1:
             raise ValueError(f"Invalid elementwise_efficiency={self.elementwise_efficiency!r}. Must be in (0, 1].")
         if self.model_flops_utilization is None or not 0 < self.model_flops_utilization <= 1:
-            raise ValueError(f"Invalid MFU {self.model_flops_utilization!r} for {self.profile.name}: "
-                             "give one in (0, 1] (the CPU profile has none; measure it).")
+            raise ValueError(f"Invalid MFU {self.model_flops_utilization!r} for {self.profile.name}: must be in "
+                             "(0, 1]; the CPU profile has none, so pass Workload(mfu=...) there "
+                             "(dmuon plan --hardware cpu measures it).")
 
     @property
     def model_flops_utilization(self) -> float | None:

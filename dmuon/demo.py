@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import dmuon
+from dmuon.cli import UsageError, name_list, non_negative_float, output_path, positive_float, positive_int
 from dmuon.models import PRESETS, Llama, SyntheticTokens, get_config
 
 OptimizerFactory = Callable[[Llama, float, float], list[torch.optim.Optimizer]]
@@ -170,34 +171,38 @@ def format_table(results: Sequence[RunResult], baseline: str = "adamw") -> str:
     return "\n".join(lines)
 
 
-def _config_list(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in CONFIGS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown configuration(s) {unknown}; valid: {', '.join(CONFIGS)}")
-    return names
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``dmuon demo``; defaults take about 1-2 minutes on two CPU cores."""
-    parser.add_argument("--steps", type=int, default=200, help="steps per configuration (default: %(default)s)")
+    parser.add_argument("--steps", type=positive_int, default=200,
+                        help="steps per configuration (default: %(default)s)")
     parser.add_argument("--preset", choices=list(PRESETS), default="demo", help="model preset (default: %(default)s)")
     parser.add_argument(
-        "--lr", type=float, default=3e-3, help="learning rate of all configurations (default: %(default)s)"
+        "--lr", type=positive_float, default=3e-3, help="learning rate of all configurations (default: %(default)s)"
     )
-    parser.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
+    parser.add_argument("--weight-decay", type=non_negative_float, default=0.1,
+                        help="decoupled weight decay (default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--seq-len", type=positive_int, default=64,
+                        help="tokens per sequence, at most the preset's max_seq_len (default: %(default)s)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch intra-op threads (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
     parser.add_argument(
         "--configs",
-        type=_config_list,
+        type=name_list(CONFIGS),
         default=list(CONFIGS),
         help="comma-separated configurations to run, in order: adamw (AdamW on everything), torch-muon "
         "(torch.optim.Muon on the block matrices + AdamW on the rest), dmuon (dmuon.Muon) (default: all)",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write one JSON record per configuration to PATH")
+    parser.add_argument("--json", metavar="PATH", type=output_path,
+                        help="also write one JSON record per configuration to PATH (default: none)")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """What spans several arguments, checked before any training starts."""
+    max_seq_len = PRESETS[args.preset].max_seq_len
+    if args.seq_len > max_seq_len:
+        raise UsageError("--seq-len", f"invalid value {args.seq_len}: above the {args.preset} preset's "
+                                      f"max_seq_len {max_seq_len}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from dataclasses import asdict, replace
 
+from dmuon.cli import UsageError, fraction, output_path, positive_int
 from dmuon.costmodel import (
     DEFAULT_SEQ_LEN, DEFAULT_TOKENS_PER_RANK, MODES, Workload, build_plan, load_model_config,
     measured_mfu, muon_params,
 )
-from dmuon.hardware import HARDWARE_NAMES, HardwareProfile, get_profile, measure_one_rank_seconds
-from dmuon.models import LlamaConfig, matrix_shapes, param_count
+from dmuon.hardware import DEFAULT_GPU_MFU, HARDWARE_NAMES, HardwareProfile, get_profile, measure_one_rank_seconds
+from dmuon.models import PRESETS, LlamaConfig, matrix_shapes, param_count
 from dmuon.planner import DEFAULT_BUCKET_BYTES
 from dmuon.simulate import Prediction, measured_elementwise_efficiency, predict
 
@@ -28,38 +31,85 @@ CPU_MEASURE_MAX_PARAMS = 200_000_000  # largest model of which `--hardware cpu` 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-3.1-8b", help="preset name or path to a config.json")
-    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--model", default="llama-3.1-8b",
+                        help=f"preset name ({', '.join(PRESETS)}) or path to a config.json (default: %(default)s)")
+    parser.add_argument("--world-size", type=positive_int, default=8, help="data-parallel ranks (default: %(default)s)")
     parser.add_argument("--hardware", choices=HARDWARE_NAMES, default="h100",
-                        help="GPU datasheet profile, or cpu (measured now, on this machine)")
+                        help="GPU datasheet profile, or cpu (measured now, on this machine) (default: %(default)s)")
     parser.add_argument("--mode", choices=MODES, default="fsdp2",
-                        help="owner: owner-sharded data parallel (dmuon.shard_by_owner)")
-    parser.add_argument("--tokens-per-step", type=int,
-                        help=f"global tokens per step (default: {DEFAULT_TOKENS_PER_RANK} per rank)")
-    parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
-    parser.add_argument("--layers", type=int, help="override the model's depth")
-    parser.add_argument("--mfu", type=float,
-                        help="forward+backward model FLOPs utilization (default: the profile's; cpu: measured)")
-    parser.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES,
+                        help="owner: owner-sharded data parallel (dmuon.shard_by_owner) (default: %(default)s)")
+    parser.add_argument("--tokens-per-step", type=positive_int,
+                        help=f"global tokens per step, at least one per rank (default: {DEFAULT_TOKENS_PER_RANK} "
+                             "per rank)")
+    parser.add_argument("--seq-len", type=positive_int,
+                        help=f"tokens per sequence, at most the model's max_seq_len (default: {DEFAULT_SEQ_LEN}, "
+                             "or the model's max_seq_len if that is smaller)")
+    parser.add_argument("--layers", type=positive_int, help="override the model's depth (default: the model's)")
+    parser.add_argument("--mfu", type=fraction,
+                        help="forward+backward model FLOPs utilization, in (0, 1] (default: the profile's, "
+                             f"{DEFAULT_GPU_MFU} on GPUs; cpu: measured)")
+    parser.add_argument("--bucket-bytes", type=positive_int, default=DEFAULT_BUCKET_BYTES,
                         help="dmuon.Muon's bucket_bytes (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (cpu)")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch threads per rank (cpu) (default: %(default)s)")
     parser.add_argument("--no-split", action="store_true",
                         help="keep every matrix whole on one owner (default: the planner may split large "
                              "matrices over gangs of ranks, as dmuon.Muon does)")
-    parser.add_argument("--json", metavar="PATH", help="write the prediction as one JSON record")
+    parser.add_argument("--json", metavar="PATH", type=output_path,
+                        help="write the prediction as one JSON record (default: none)")
+
+
+def _model_config(spec: str, layers: int | None) -> LlamaConfig:
+    """``--model``'s config, or a :class:`UsageError` that says what is wrong with it."""
+    if spec not in PRESETS and not os.path.isfile(spec):
+        looks_like_a_path = spec.endswith(".json") or os.sep in spec
+        what = "no such file" if looks_like_a_path else "unknown model"
+        raise UsageError("--model", f"invalid value {spec!r}: {what}; give a preset name ({', '.join(PRESETS)}) "
+                                    "or the path of a config.json")
+    try:
+        return load_model_config(spec, layers)
+    except (OSError, ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
+        raise UsageError("--model", f"invalid value {spec!r}: not a readable Llama-style config.json: {err}") from None
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Check what spans several arguments before measuring or predicting anything, and fill in
+    ``args.config`` (the model), ``args.seq_len`` and ``args.tokens_per_step`` where not given."""
+    args.config = config = _model_config(args.model, args.layers)
+    if args.seq_len is None:
+        args.seq_len = min(DEFAULT_SEQ_LEN, config.max_seq_len)
+    elif args.seq_len > config.max_seq_len:
+        raise UsageError("--seq-len", f"invalid value {args.seq_len}: above {args.model}'s max_seq_len "
+                                      f"{config.max_seq_len}")
+    if args.tokens_per_step is None:
+        args.tokens_per_step = DEFAULT_TOKENS_PER_RANK * args.world_size
+    elif args.tokens_per_step < args.world_size:
+        raise UsageError("--tokens-per-step", f"invalid value {args.tokens_per_step}: fewer than one token for "
+                                              f"each of the {args.world_size} ranks")
+    if args.hardware == "cpu" and param_count(config) > CPU_MEASURE_MAX_PARAMS:
+        raise UsageError("--hardware", f"cpu times one rank's training step, and {args.model} is too big for that "
+                                       f"here ({param_count(config) / 1e9:.2f} B parameters, at most "
+                                       f"{CPU_MEASURE_MAX_PARAMS / 1e9:.2f} B): pass fewer --layers")
 
 
 def measure_cpu_rank(config: LlamaConfig, tokens_per_rank: int, seq_len: int, profile: HardwareProfile,
                      mfu: float | None) -> tuple[float, float]:
     """(MFU, element-wise efficiency) of this CPU, measured now on one rank training ``config``
-    alone; a given ``mfu`` is kept."""
-    if param_count(config) > CPU_MEASURE_MAX_PARAMS:
-        raise SystemExit(f"--hardware cpu times one rank's training step, which is too big here "
-                         f"({param_count(config) / 1e9:.2f} B parameters): pass --layers")
+    alone; a given ``mfu`` is kept.
+
+    A measured MFU above 1 means the profile's product rate (measured first, in a few short
+    runs) read low: other jobs slowed those runs more than the training step. The prediction then
+    goes on at MFU 1, the most the profile allows, with a warning that says so."""
     seq = min(seq_len, tokens_per_rank)
     batch = max(1, tokens_per_rank // seq)
     alone = measure_one_rank_seconds(config, batch, seq, profile.threads)
-    mfu = mfu or measured_mfu(config, batch * seq, seq, alone.forward_backward, profile)
+    if mfu is None:
+        mfu = measured_mfu(config, batch * seq, seq, alone.forward_backward, profile)
+        if mfu > 1:  # a rate over a positive time: never <= 0
+            print(f"dmuon plan: warning: the measured MFU came out {mfu:.2f}, above 1: this machine was busy "
+                  f"while its product rate was measured, so that rate reads low; going on with MFU 1 (pass "
+                  f"--mfu to choose one, or rerun on a quieter machine)", file=sys.stderr)
+            mfu = 1.0
     one_rank = Workload(config, 1, "ddp", profile, batch * seq, seq, mfu)
     return mfu, measured_elementwise_efficiency(one_rank, alone.optimizer_step, alone.newton_schulz)
 
@@ -102,11 +152,8 @@ def predictions_table(p: Prediction, whole: Prediction | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_model_config(args.model, args.layers)
-    tokens = args.tokens_per_step or DEFAULT_TOKENS_PER_RANK * args.world_size
-    if args.world_size < 1 or tokens < args.world_size:
-        raise SystemExit(f"need --world-size >= 1 and at least one token per rank, got {args.world_size} "
-                         f"ranks and {tokens} tokens")
+    """Predict and print; ``args`` as :func:`check_arguments` left them."""
+    config, tokens = args.config, args.tokens_per_step
     profile = get_profile(args.hardware, args.threads)
     mfu, efficiency = args.mfu, 1.0
     if profile.device_type == "cpu":

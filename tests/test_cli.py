@@ -1,0 +1,182 @@
+"""The ``dmuon`` command line answers bad input with argparse's usage and one error line (exit
+status 2) before it spawns a rank, trains or measures anything; ``--help`` shows every default.
+
+Every test runs ``dmuon.cli.main`` in-process with the expensive steps replaced by stubs that
+fail the test if reached: spawning ranks (``bench``), training (``demo``), measuring this CPU
+(``plan --hardware cpu``). So a check that comes too late fails fast instead of hanging
+(``bench --world-size 0`` used to wait forever for results from no ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import dmuon.bench
+import dmuon.demo
+import dmuon.hardware
+import dmuon.plan_cli
+from dmuon.cli import main
+from dmuon.hardware import PROFILES, OneRankSeconds
+
+
+def _forbidden(what: str):
+    def stub(*args, **kwargs):
+        raise AssertionError(f"the command went on to {what} before rejecting its arguments")
+
+    return stub
+
+
+@pytest.fixture(autouse=True)
+def no_expensive_work(monkeypatch):
+    monkeypatch.setattr(dmuon.bench, "run_config", _forbidden("spawn ranks"))
+    monkeypatch.setattr(dmuon.demo, "train", _forbidden("train"))
+    monkeypatch.setattr(dmuon.hardware, "measure_cpu_profile", _forbidden("measure the CPU profile"))
+    monkeypatch.setattr(dmuon.plan_cli, "measure_one_rank_seconds", _forbidden("time a training step"))
+
+
+def _rejects(argv: list[str], capsys) -> str:
+    """Run ``dmuon argv``: it must exit with status 2; its stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"dmuon {argv[0]}: error: ")
+    return err
+
+
+BAD_INPUTS = [
+    # (argv, option named in the error, text the error must contain)
+    (["bench", "--world-size", "0"], "--world-size", "0"),
+    (["bench", "--world-size", "-1"], "--world-size", "-1"),
+    (["bench", "--batch-size", "0"], "--batch-size", "0"),
+    (["bench", "--steps", "0"], "--steps", "0"),
+    (["bench", "--warmup", "-1"], "--warmup", "-1"),
+    (["bench", "--seq-len", "0"], "--seq-len", "0"),
+    (["bench", "--threads", "0"], "--threads", "0"),
+    (["bench", "--layers", "0"], "--layers", "0"),
+    (["bench", "--lr", "0"], "--lr", "0"),
+    (["bench", "--seq-len", "4096"], "--seq-len", "max_seq_len 2048"),
+    (["bench", "--configs", "ddp-adamw,ddp-sgd"], "--configs", "ddp-sgd"),
+    (["bench", "--configs", ","], "--configs", "choose from ddp-adamw"),
+    (["plan", "--layers", "0"], "--layers", "0"),
+    (["plan", "--layers", "-2"], "--layers", "-2"),
+    (["plan", "--model", "llama-9b"], "--model", "llama-3.1-8b"),  # lists the known presets
+    (["plan", "--model", "missing.json"], "--model", "no such file"),
+    (["plan", "--seq-len", "0"], "--seq-len", "0"),
+    (["plan", "--model", "bench", "--seq-len", "4096"], "--seq-len", "max_seq_len 2048"),
+    (["plan", "--mfu", "0"], "--mfu", "(0, 1]"),
+    (["plan", "--mfu", "1.5"], "--mfu", "1.5"),
+    (["plan", "--mfu", "nan"], "--mfu", "nan"),
+    (["plan", "--bucket-bytes", "0"], "--bucket-bytes", "0"),
+    (["plan", "--world-size", "0"], "--world-size", "0"),
+    (["plan", "--threads", "0"], "--threads", "0"),
+    (["plan", "--tokens-per-step", "0"], "--tokens-per-step", "0"),
+    (["plan", "--world-size", "4", "--tokens-per-step", "2"], "--tokens-per-step", "2"),
+    (["plan", "--model", "llama-3.1-8b", "--hardware", "cpu"], "--hardware", "--layers"),  # too big to time
+    (["plan", "--json", "no-such-folder/plan.json"], "--json", "no-such-folder"),
+    (["demo", "--steps", "0"], "--steps", "0"),
+    (["demo", "--batch-size", "0"], "--batch-size", "0"),
+    (["demo", "--seq-len", "0"], "--seq-len", "0"),
+    (["demo", "--seq-len", "1000"], "--seq-len", "max_seq_len 512"),
+    (["demo", "--threads", "0"], "--threads", "0"),
+]
+
+
+@pytest.mark.parametrize(("argv", "option", "detail"), BAD_INPUTS, ids=[" ".join(a) for a, _, _ in BAD_INPUTS])
+def test_bad_input_is_one_clear_error(argv, option, detail, capsys):
+    last = _rejects(argv, capsys).strip().splitlines()[-1]
+    assert f"argument {option}: " in last and detail in last
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"hidden_size": 64}), json.dumps([1, 2])])
+def test_unreadable_config_json_is_one_clear_error(tmp_path, capsys, content):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    last = _rejects(["plan", "--model", str(path)], capsys).strip().splitlines()[-1]
+    assert "argument --model: " in last and str(path) in last and "config.json" in last
+
+
+def _option_blocks(help_text: str) -> dict[str, str]:
+    """Each option's entry in ``--help``: its first line (the flags) to its whole text."""
+    blocks: dict[str, str] = {}
+    current = None
+    for line in help_text.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            blocks[current] = line
+        elif current is not None and line.startswith("      "):
+            blocks[current] += " " + line.strip()
+        else:
+            current = None
+    return blocks
+
+
+@pytest.mark.parametrize("command", ["bench", "plan", "demo"])
+def test_help_shows_every_default(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    blocks = _option_blocks(capsys.readouterr().out)
+    assert "--seq-len" in blocks and "--json" in blocks
+    for option, text in blocks.items():
+        if option != "-h":
+            assert "(default: " in text, f"dmuon {command} --help: {option} shows no default: {text!r}"
+
+
+def _fake_cpu(monkeypatch, forward_backward: float) -> list[tuple[int, int]]:
+    """``--hardware cpu`` without measuring: a made-up CPU profile, and a one-rank step that takes
+    ``forward_backward`` seconds; the (batch, sequence length) it was asked to time, appended."""
+    profile = dataclasses.replace(
+        PROFILES["h100"], name="cpu", device_type="cpu", ranks_per_node=None, mfu=None, train_dtype=torch.float32,
+        cores=2, threads=1, comm_overlaps_compute=False, source="a made-up CPU",
+    )
+    timed = []
+
+    def one_rank(config, batch, seq_len, threads=1, reps=5):
+        timed.append((batch, seq_len))
+        return OneRankSeconds(forward_backward=forward_backward, optimizer_step=1e-2, newton_schulz=5e-3)
+
+    monkeypatch.setattr(dmuon.plan_cli, "get_profile", lambda name, threads=1: profile if name == "cpu"
+                        else PROFILES[name])
+    monkeypatch.setattr(dmuon.plan_cli, "measure_one_rank_seconds", one_rank)
+    return timed
+
+
+def test_measured_mfu_above_one_goes_on_at_one_with_a_warning(tmp_path, capsys, monkeypatch):
+    """A loaded machine can time the product rate low and the training step fast: the measured MFU
+    then comes out above 1 (2.6 once). The plan goes on at MFU 1 and says why on stderr."""
+    _fake_cpu(monkeypatch, forward_backward=1e-9)  # far faster than the profile's products allow
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "bench", "--layers", "1", "--world-size", "2", "--hardware", "cpu",
+                 "--seq-len", "64", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    warning = captured.err.strip().splitlines()[-1]
+    assert warning.startswith("dmuon plan: warning: the measured MFU came out") and "--mfu" in warning
+    assert json.loads(out.read_text())["mfu"] == 1.0 and "at MFU 1.00" in captured.out
+    # a measured MFU in range is kept as measured, without a warning
+    _fake_cpu(monkeypatch, forward_backward=1.0)
+    assert main(["plan", "--model", "bench", "--layers", "1", "--world-size", "2", "--hardware", "cpu",
+                 "--seq-len", "64", "--json", str(out)]) == 0
+    assert "warning" not in capsys.readouterr().err and 0 < json.loads(out.read_text())["mfu"] < 1
+
+
+def test_default_seq_len_fits_the_model(tmp_path, capsys, monkeypatch):
+    """``--seq-len`` defaults to 4096, capped at the model's max_seq_len (the bench preset's: 2048),
+    so ``dmuon plan --model bench --hardware cpu`` times sequences the model can take."""
+    timed = _fake_cpu(monkeypatch, forward_backward=1.0)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "bench", "--layers", "1", "--world-size", "2", "--hardware", "cpu",
+                 "--json", str(out)]) == 0
+    assert timed == [(4, 2048)]  # 8192 tokens per rank
+    assert json.loads(out.read_text())["seq_len"] == 2048
+    assert main(["plan", "--model", "bench", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["seq_len"] == 2048
+    assert main(["plan", "--model", "qwen2.5-1.5b", "--layers", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["seq_len"] == 4096  # max_seq_len 32768
+    capsys.readouterr()
