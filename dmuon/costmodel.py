@@ -66,10 +66,10 @@ NESTEROV_BYTES = 12  # grad.lerp(buf): the NS input, where and when the exchange
 APPLY_BYTES = 20  # p.mul_(1 − lr·wd) and p.add_(update): every local Muon element
 FSDP_COPY_BYTES = 24  # per FSDP2 parameter: copy-out after both all-gathers, copy-in before the reduce-scatter
 DDP_COPY_BYTES = 16  # per DDP parameter: gradient into its bucket and back
-# AdamW per parameter: fused/foreach kernels read p, g, m, v and write p, m, v (REFERENCE.md §5);
+# AdamW per parameter: fused/foreach kernels read p, g, m, v and write p, m, v (docs/hardware.md §Bytes per element);
 # on CPU torch runs its single-tensor loop (8 kernels, temporaries for sqrt and division).
 ADAMW_BYTES = {"cuda": 28, "cpu": 80}
-# torch.optim.Muon's recipe (REFERENCE.md §2): what "vanilla" Muon runs on every rank.
+# torch.optim.Muon's recipe (docs/numerics.md §torch.optim.Muon's recipe): what "vanilla" Muon runs on every rank.
 VANILLA_NS_DTYPE = torch.bfloat16
 
 

@@ -4,11 +4,18 @@ Every exchange is one packed ``all_to_all_single`` with exact split sizes: a ran
 each peer are laid end to end in one buffer, so uneven and empty pieces need no padding, and a
 rank with nothing to send still takes part (with zero-length splits), keeping every rank's
 sequence of collectives identical.
+
+Small host-side values (configuration fingerprints, timings, error messages) travel as byte
+tensors too (:func:`all_gather_bytes`), never through torch's ``*_object`` collectives: those
+convert through numpy, which is not one of dmuon's dependencies (the torch wheel does not pull
+it in), and they would fail with "Numpy is not available" on a plain install.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,16 +115,38 @@ def _count(counter: CommCounter | None, nbytes: int) -> None:
         counter.collectives += 1
 
 
-def check_ranks_agree(fingerprint: dict[str, str], group: dist.ProcessGroup, what: str) -> None:
-    """Raise the same ValueError on every rank of ``group`` if any rank's ``fingerprint`` differs
-    from rank 0's, naming the first differing key (one collective; run before any other)."""
-    everyone: list[dict[str, str]] = [{} for _ in range(dist.get_world_size(group))]
-    dist.all_gather_object(everyone, fingerprint, group=group)
-    first = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):  # the same verdict on every rank
-        for key in sorted(set(first) | set(theirs)):
-            if first.get(key) != theirs.get(key):
-                raise ValueError(
-                    f"Ranks disagree on the {what}: {key} is {first.get(key)} on rank 0 but "
-                    f"{theirs.get(key)} on rank {rank}."
-                )
+def default_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device for a small collective on ``group`` when the caller names none: the current
+    CUDA device for an NCCL group (NCCL takes only CUDA tensors), the CPU otherwise."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_bytes(data: bytes, group: dist.ProcessGroup, device: torch.device | None = None,
+                     counter: CommCounter | None = None) -> list[bytes]:
+    """Every rank's ``data``, indexed by position in ``group``: two all-gathers of tensors on
+    ``device`` (the lengths as int64, then the bytes as uint8, padded to the longest)."""
+    device = default_device(group) if device is None else torch.device(device)
+    size = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(size)]
+    _count(counter, length.element_size() * (size - 1))
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(n) for n in torch.cat(lengths).tolist()]
+    longest = max(sizes)
+    local = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        local[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    local = local.to(device)
+    received = [torch.empty_like(local) for _ in range(size)]
+    _count(counter, longest * (size - 1))
+    dist.all_gather(received, local, group=group)
+    return [bytes(t[:n].tolist()) for t, n in zip(received, sizes)]
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup, device: torch.device | None = None,
+                      counter: CommCounter | None = None) -> list[Any]:
+    """Every rank's ``obj`` (pickled: dmuon's own dicts from the ranks of one job), without
+    numpy: :func:`all_gather_bytes` of the pickles."""
+    return [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(obj), group, device, counter)]

@@ -1,6 +1,6 @@
 """Hardware profiles for the cost model: what one rank can compute, copy and send per second.
 
-GPU profiles are datasheet figures (REFERENCE.md §5) except where a measurement exists; the
+GPU profiles are datasheet figures (docs/hardware.md) except where a measurement exists; the
 ``"cpu"`` profile is measured on the spot, on this machine, by :func:`measure_cpu_profile`.
 
 What a profile claims, and what it leaves out:
@@ -101,13 +101,13 @@ class HardwareProfile:
         return world_size if self.ranks_per_node is None else min(world_size, self.ranks_per_node)
 
 
-# Links (REFERENCE.md §5): NVLink 4 900 GB/s per GPU both ways → 450 GB/s each way; A800's
+# Links (docs/hardware.md §GPU profiles): NVLink 4 900 GB/s per GPU both ways → 450 GB/s each way; A800's
 # NVLink 400 GB/s → 200 each way; InfiniBand NDR 400 Gb/s ≈ 50 GB/s per GPU per direction.
 # Latencies are assumptions of typical NCCL small-message collectives, not datasheet figures:
 # ≈10 µs inside a node, ≈25 µs across nodes, per collective (not per peer).
 _NVLINK_LATENCY, _IB_LATENCY = 10e-6, 25e-6
 # The one measurement of achieved against listed matmul rate we have: 790 of 989 TFLOP/s on
-# an H200 (REFERENCE.md §5). Applied to the datasheet profiles.
+# an H200 (docs/hardware.md §GPU profiles). Applied to the datasheet profiles.
 _DATASHEET_EFFICIENCY = 790 / 989
 # A typical forward+backward utilization of dense LLM training on these GPUs (an assumption;
 # override it per run).
@@ -151,7 +151,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=8.0e12, intra_bandwidth=900 * GB, intra_latency=_NVLINK_LATENCY,
         inter_bandwidth=50 * GB, inter_latency=_IB_LATENCY, ranks_per_node=8,
         matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU,
-        source="B200 (HGX, 1000 W) public datasheet, not in REFERENCE.md: 2250 TFLOP/s bf16/fp16 "
+        source="B200 (HGX, 1000 W) public datasheet: 2250 TFLOP/s bf16/fp16 "
                "dense, 80 fp32, 8 TB/s HBM3e; NVLink 5 1.8 TB/s (900 each way); 400 Gb/s NIC per GPU",
     ),
 }

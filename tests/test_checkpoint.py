@@ -1,4 +1,4 @@
-"""Checkpointing through ``torch.distributed.checkpoint`` (DCP) (TESTING.md rows 7, 8, 9, 18).
+"""Checkpointing through ``torch.distributed.checkpoint`` (DCP) (docs/testing.md rows 7, 8, 9, 18).
 
 * Row 7: FSDP2 at 2 ranks, save -> load into a fresh model and optimizer -> continue is bitwise
   equal to the uninterrupted run; the same for DDP (state replicated as plain tensors).
@@ -252,7 +252,7 @@ def state_dict_before_first_step() -> dict:
     train(model, optim, range(1))
     ref_model, ref_optim = build("fsdp")
     train(ref_model, ref_optim, range(1))
-    muon = {id(p) for g in optim.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+    muon = {id(p) for g in optim.param_groups for p, alg in zip(g["params"], g["algorithms"]) if alg == "muon"}
     muon_same = {
         fqn(n): bitwise_equal(p, rp)
         for (n, p), rp in zip(model.named_parameters(), ref_model.parameters()) if id(p) in muon

@@ -42,7 +42,7 @@ def test_gpu_profiles_are_sane():
         assert p.memory_bandwidth > 1e12 and p.intra_bandwidth > 3 * p.inter_bandwidth > 0, name
         assert 0 < p.intra_latency <= p.inter_latency < 1e-3 and 0 < p.matmul_efficiency <= 1, name
         assert p.share(8) == 1.0 and p.comm_overlaps_compute, name
-    assert PROFILES["h200"].bf16_flops == 790e12  # measured (REFERENCE.md §5), not the datasheet
+    assert PROFILES["h200"].bf16_flops == 790e12  # measured (docs/hardware.md §GPU profiles), not the datasheet
     assert PROFILES["b200"].bf16_flops > PROFILES["h100"].bf16_flops > PROFILES["a800"].bf16_flops
     with pytest.raises(ValueError, match="unknown hardware"):
         get_profile("tpu")

@@ -1,4 +1,4 @@
-"""End-to-end training parity (TESTING.md row 4): a small Llama-style transformer trained with
+"""End-to-end training parity (docs/testing.md row 4): a small Llama-style transformer trained with
 dmuon.Muon under DDP, FSDP2 and HSDP, the data split across ranks, against one process on the
 global batch — losses and parameters agree to the tolerance that reduction order allows."""
 
