@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -15,9 +17,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw as adamw_update
 
+from dmuon.agreement import agree, digest_words
 from dmuon.cuda_graphs import GraphedOrthogonalize
 from dmuon.engine import Block, MatrixWork, Orthogonalizer, StepStats, unit_of
-from dmuon.exchange import all_reduce_max, all_reduce_sum, check_ranks_agree
+from dmuon.exchange import all_gather_object, all_reduce_max, all_reduce_sum, default_device
 from dmuon.layout import detect_layout, owned_by
 from dmuon.orthogonalization import (
     NORMALIZATION_EPS, SYMMETRIC_PRODUCTS, NSConfig, gram_all_reduces, newton_schulz_flops, orthogonalize,
@@ -27,20 +30,101 @@ from dmuon.planner import (
     DEFAULT_BUCKET_BYTES, Plan, choose_distributed, choose_gangs, distributed_cost, gang_costs,
     split_replicas_is_cheaper,
 )
-from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, block_rows, default_route, matrix_shape, module_roles
+from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, Route, block_rows, default_route, matrix_shape, module_roles
 from dmuon.triton_kernels import triton_usable
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
+# The state of a parameter, by algorithm.
+_STATE_KEYS = {"muon": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_avg_sq")}
+
 MUON_KEYS = (
     "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
     "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts", "ns_blocks",
 )
-ADAMW_KEYS = ("lr", "weight_decay", "betas", "eps")
-# Keys a user's param group may carry besides hyperparameters.
-_STRUCTURE_KEYS = frozenset({"params", "param_names", "algorithm", "matrix_view", "name", "initial_lr"})
-_ADAMW_ALIASES = ("adamw_lr", "adamw_weight_decay", "adamw_betas", "adamw_eps")
+# AdamW's options as a param group stores them; None for lr and weight decay: the group's own.
+ADAMW_GROUP_KEYS = ("adamw_lr", "adamw_weight_decay", "adamw_betas", "adamw_eps")
+# Per-parameter routing, stored in each group: lists parallel to "params".
+ROUTING_KEYS = ("algorithms", "matrix_views", "route_reasons")
+# Keys a user's param group may carry besides hyperparameters ("betas": AdamW's, by its torch name).
+_USER_KEYS = frozenset({"params", "param_names", "algorithm", "matrix_view", "name", "initial_lr", "betas"})
+# What every stored group must have (checked when a state dict is loaded).
+GROUP_KEYS = (*MUON_KEYS, *ADAMW_GROUP_KEYS, *ROUTING_KEYS, "algorithm", "base_lr")
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _adamw_options(group: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """AdamW's options of a user's group, as stored: the group's ``adamw_*`` keys first, then
+    (lr, weight decay, betas; eps only in an ``"algorithm": "adamw"`` group) its plain keys, then
+    the constructor's. ``adamw_lr``/``adamw_weight_decay`` None mean "the group's lr / weight decay"."""
+    explicit = group.get("algorithm") == "adamw"
+    plain_lr = "lr" in group
+    plain_wd = "weight_decay" in group
+    return {
+        "adamw_lr": _first(group.get("adamw_lr"), None if plain_lr else defaults["adamw_lr"]),
+        "adamw_weight_decay": _first(group.get("adamw_weight_decay"),
+                                     None if plain_wd else defaults["adamw_weight_decay"]),
+        "adamw_betas": tuple(_first(group.get("adamw_betas"), group.get("betas"), defaults["adamw_betas"])),
+        "adamw_eps": _first(group.get("adamw_eps"), group.get("eps") if explicit else None, defaults["adamw_eps"]),
+    }
+
+
+def adamw_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """The lr, weight decay, betas and eps AdamW applies to a group's AdamW parameters now.
+
+    An explicit ``adamw_lr`` follows the group's lr as schedulers change it: it is scaled by
+    lr / ``base_lr``, the group's lr when the group was added."""
+    lr = group["lr"]
+    if group["adamw_lr"] is not None:
+        base = float(group["base_lr"])
+        lr = group["adamw_lr"] * float(lr) / base if base > 0 else group["adamw_lr"]
+    return {
+        "lr": lr,
+        "weight_decay": _first(group["adamw_weight_decay"], group["weight_decay"]),
+        "betas": group["adamw_betas"],
+        "eps": group["adamw_eps"],
+    }
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The constructor's options that shape the distributed step (the same on every rank)."""
+
+    comm_dtype: torch.dtype | None
+    bucket_bytes: int
+    replica_split: bool | None
+    distributed_ns: bool | None
+    symmetric_products: str
+    compile: bool | str | Callable
+    cuda_graphs: bool
+
+    def validate(self) -> None:
+        comm_dtype, bucket_bytes = self.comm_dtype, self.bucket_bytes
+        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+            raise ValueError(f"Invalid {comm_dtype=}. Must be a floating torch.dtype or None.")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"Invalid {bucket_bytes=}. Must be a positive int.")
+        for name in ("replica_split", "distributed_ns"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"Invalid {name}={getattr(self, name)!r}. Must be None (cost model), True or False.")
+        if self.symmetric_products not in (*SYMMETRIC_PRODUCTS, "auto"):
+            raise ValueError(f"Invalid symmetric_products={self.symmetric_products!r}. "
+                             f"Must be one of {(*SYMMETRIC_PRODUCTS, 'auto')}.")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"Invalid cuda_graphs={self.cuda_graphs!r}. Must be a bool.")
+        if not (isinstance(self.compile, (bool, str)) or callable(self.compile)):
+            raise ValueError(f"Invalid compile={self.compile!r}. Must be a bool, or a torch.compile backend "
+                             "(name or callable).")
+
+    def describe(self) -> str:
+        """As the ranks compare it: a compile backend by its name, not its address."""
+        backend = self.compile if isinstance(self.compile, (bool, str)) else getattr(self.compile, "__name__", "callable")
+        return repr((self.comm_dtype, self.bucket_bytes, self.replica_split, self.distributed_ns,
+                     self.symmetric_products, backend, self.cuda_graphs))
 
 
 def adjusted_lr_ratio(adjust_lr_fn: str | None, m: int, n: int) -> float:
@@ -149,8 +233,10 @@ def _steps_here(param: Tensor) -> bool:
 def _check_range(name: str, value: Any, where: str, low: float, high: float | None = None,
                  low_open: bool = False) -> None:
     number = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or math.isnan(number):
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
         raise ValueError(f"Invalid {name}={value!r}{where}. Must be a number.")
+    if not math.isfinite(number):
+        raise ValueError(f"Invalid {name}={value!r}{where}. Must be finite.")
     below = number <= low if low_open else number < low
     above = high is not None and number >= high
     if below or above:
@@ -180,15 +266,16 @@ def validate_muon_group(group: dict[str, Any], where: str = "") -> None:
 
 
 def validate_adamw_group(group: dict[str, Any], where: str = "") -> None:
-    """Raise a ValueError naming the first bad AdamW hyperparameter of a group."""
-    _check_range("lr", group["lr"], where, 0.0)
-    _check_range("weight_decay", group["weight_decay"], where, 0.0)
-    _check_range("eps", group["eps"], where, 0.0, low_open=True)
-    betas = group["betas"]
+    """Raise a ValueError naming the first bad AdamW hyperparameter of a stored group."""
+    for key in ("adamw_lr", "adamw_weight_decay"):
+        if group[key] is not None:
+            _check_range(key, group[key], where, 0.0)
+    _check_range("adamw_eps", group["adamw_eps"], where, 0.0, low_open=True)
+    betas = group["adamw_betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas={betas!r}{where}. Must be a pair.")
+        raise ValueError(f"Invalid adamw_betas={betas!r}{where}. Must be a pair.")
     for i, beta in enumerate(betas):
-        _check_range(f"betas[{i}]", beta, where, 0.0, 1.0)
+        _check_range(f"adamw_betas[{i}]", beta, where, 0.0, 1.0)
 
 
 def dtype_name(value: torch.dtype | str | None, where: str = "") -> str | None:
@@ -277,87 +364,115 @@ class Muon(torch.optim.Optimizer):
         compile: bool | str | Callable = False,
         cuda_graphs: bool = False,
     ) -> None:
-        if nonfinite_grads not in NONFINITE_POLICIES:
-            raise ValueError(f"Invalid {nonfinite_grads=}. Must be one of {NONFINITE_POLICIES}.")
-        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
-            raise ValueError(f"Invalid {comm_dtype=}. Must be a floating torch.dtype or None.")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"Invalid {bucket_bytes=}. Must be a positive int.")
-        if replica_split not in (None, True, False):
-            raise ValueError(f"Invalid {replica_split=}. Must be None (cost model), True or False.")
-        if symmetric_products not in (*SYMMETRIC_PRODUCTS, "auto"):
-            raise ValueError(f"Invalid {symmetric_products=}. Must be one of {(*SYMMETRIC_PRODUCTS, 'auto')}.")
-        if not isinstance(cuda_graphs, bool):
-            raise ValueError(f"Invalid {cuda_graphs=}. Must be a bool.")
-        if distributed_ns not in (None, True, False):
-            raise ValueError(f"Invalid {distributed_ns=}. Must be None (cost model), True or False.")
-        if not (isinstance(compile, (bool, str)) or callable(compile)):
-            raise ValueError(f"Invalid {compile=}. Must be a bool, or a torch.compile backend (name or callable).")
-        defaults = dict(
-            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-            ns_method=ns_method, ns_dtype=ns_dtype, ns_restarts=ns_restarts, ns_blocks=ns_blocks,
-            adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_lr=adamw_lr,
-            adamw_weight_decay=adamw_weight_decay, nonfinite_grads=nonfinite_grads,
-        )
-        validate_muon_group(defaults)
-        validate_adamw_group(self._adamw_hparams({}, defaults))
-        if isinstance(params, (set, Tensor)):
-            raise TypeError(f"params must be a module, or an ordered iterable of tensors or dicts, not a {type(params).__name__}.")
-        self._module_roles: dict[int, str] = {}
-        if isinstance(params, nn.Module):
-            self._module_roles = module_roles(params)
-            params = list(params.named_parameters())
-        self.skipped_steps = 0
-        self._update_squares: dict[str, list] = {}  # group label -> [sum of squares, elements], last step
-        self._user_groups = 0
-        self._process_group = process_group
-        self._replica_split = replica_split
-        self._split_decisions: dict[tuple, bool] = {}
-        self._distribution_decisions: dict[tuple, frozenset[int]] = {}
-        self._gang_decisions: dict[tuple, dict[int, tuple[int, ...]]] = {}
-        self._distributed_ns = distributed_ns
-        self._symmetric = symmetric_products
-        self._symmetric_by_shape: dict[tuple[int, int], str] = {}  # "auto": measured at construction
-        self._engine_options = (comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products)
-        self._kernels = compile_kernels("inductor" if compile is True else compile) if compile else None
-        ns = self._kernels.orthogonalize if self._kernels else orthogonalize
-        self._engine = Orthogonalizer(bucket_bytes, comm_dtype,
-                                      orthogonalize_fn=GraphedOrthogonalize(ns) if cuda_graphs else ns)
-        super().__init__(params, defaults)
-        self._module_roles = {}  # used for routing at construction only; params may be swapped later
-        self.plans  # detects every layout now: an unsupported one raises before any collective
-        if self._agreement_group() is not None:
-            self._check_ranks_agree()
+        self._process_group = process_group  # first: a failure below is shared with the other ranks
+        error = None
+        try:
+            self._build(params, dict(
+                lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                ns_method=ns_method, ns_dtype=ns_dtype, ns_restarts=ns_restarts, ns_blocks=ns_blocks,
+                adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_lr=adamw_lr,
+                adamw_weight_decay=adamw_weight_decay, nonfinite_grads=nonfinite_grads,
+            ), EngineOptions(comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products,
+                             compile, cuda_graphs))
+        except (ValueError, TypeError, NotImplementedError) as err:
+            error = err
+        group = self._agreement_group()
+        fingerprint = []
+        if group is not None:  # every rank learns of a failure on any rank, and raises too
+            fingerprint = self._fingerprint(self.param_groups) if error is None else []
+            agree("construction", fingerprint, group, self._collective_device(), error=error)
+        # from here on add_param_group is collective; the step's agreement carries this digest
+        self._fingerprint_words = digest_words(fingerprint)
+        if error is not None:
+            raise error
         if symmetric_products == "auto":  # a collective: after the ranks agree on the options
             self._symmetric_by_shape = self._measure_symmetric_products()
 
+    def _build(self, params: nn.Module | Iterable[Any], defaults: dict[str, Any], options: EngineOptions) -> None:
+        """Everything the constructor does before the ranks compare notes (purely local)."""
+        options.validate()
+        if defaults["nonfinite_grads"] not in NONFINITE_POLICIES:
+            raise ValueError(f"Invalid nonfinite_grads={defaults['nonfinite_grads']!r}. Must be one of {NONFINITE_POLICIES}.")
+        validate_muon_group(defaults)
+        validate_adamw_group(_adamw_options({}, defaults))
+        if isinstance(params, (set, Tensor)):
+            raise TypeError(f"params must be a module, or an ordered iterable of tensors or dicts, not a {type(params).__name__}.")
+        self._module_roles: dict[int, str] = {}
+        self._model: Callable[[], nn.Module | None] = lambda: None
+        if isinstance(params, nn.Module):
+            self._module_roles = module_roles(params)
+            self._model = weakref.ref(params)  # add_param_group looks up the names of new parameters
+            params = list(params.named_parameters())
+        self.skipped_steps = 0
+        self._update_squares: dict[str, list] = {}  # group label -> [sum of squares, elements], last step
+        self._options = options
+        self._split_decisions: dict[tuple, bool] = {}
+        self._distribution_decisions: dict[tuple, frozenset[int]] = {}
+        self._gang_decisions: dict[tuple, dict[int, tuple[int, ...]]] = {}
+        self._symmetric_by_shape: dict[tuple[int, int], str] = {}  # "auto": measured at construction
+        self._make_engine()
+        super().__init__(params, defaults)
+        self._module_roles = {}  # used for routing at construction only; params may be swapped later
+        self._warn_if_routed_by_shape_only()
+        self.plans  # detects every layout now: an unsupported one raises before any collective
+
+    def _make_engine(self) -> None:
+        """The compiled kernels and the engine, from the options (again after a deep copy or unpickling)."""
+        compile = self._options.compile
+        self._kernels = compile_kernels("inductor" if compile is True else compile) if compile else None
+        ns = self._kernels.orthogonalize if self._kernels else orthogonalize
+        self._engine = Orthogonalizer(self._options.bucket_bytes, self._options.comm_dtype,
+                                      orthogonalize_fn=GraphedOrthogonalize(ns) if self._options.cuda_graphs else ns)
+
+    @property
+    def _replica_split(self) -> bool | None:
+        return self._options.replica_split
+
+    @property
+    def _distributed_ns(self) -> bool | None:
+        return self._options.distributed_ns
+
+    @property
+    def _symmetric(self) -> str:
+        return self._options.symmetric_products
+
     # ------------------------------------------------------------------ groups and routing
 
-    @staticmethod
-    def _adamw_hparams(group: dict[str, Any], defaults: dict[str, Any], explicit: bool = False) -> dict[str, Any]:
-        """AdamW options of a group: the group's own keys first (``adamw_*`` before plain ones),
-        then the constructor's. A plain ``eps`` is Muon's unless the group is explicitly AdamW."""
-
-        def first(*values: Any) -> Any:
-            return next((v for v in values if v is not None), None)
-
-        return {
-            "lr": first(group.get("adamw_lr"), group.get("lr"), defaults["adamw_lr"], defaults["lr"]),
-            "weight_decay": first(
-                group.get("adamw_weight_decay"), group.get("weight_decay"),
-                defaults["adamw_weight_decay"], defaults["weight_decay"],
-            ),
-            "betas": first(group.get("adamw_betas"), group.get("betas"), defaults["adamw_betas"]),
-            "eps": first(group.get("adamw_eps"), group.get("eps") if explicit else None, defaults["adamw_eps"]),
-        }
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; without an ``"algorithm"`` key it is split into a Muon and an AdamW group."""
-        # Name the group as the user numbered it (before any split).
-        where = f" in param group {self._user_groups}"
-        self._user_groups += 1
-        unknown = set(param_group) - _STRUCTURE_KEYS - set(MUON_KEYS) - set(ADAMW_KEYS) - set(_ADAMW_ALIASES)
+        """Add one group (collective under torch.distributed: every rank calls it, with the same
+        Muon parameters and options, and the ranks compare them before anything changes).
+
+        The group stays one group: each parameter in it is routed to Muon or AdamW
+        (:meth:`routing_summary`), unless its ``"algorithm"`` key sends all of them to one."""
+        if not hasattr(self, "_fingerprint_words"):  # from torch.optim.Optimizer.__init__: agreed after
+            self._add_group(param_group)
+            return
+        group = self._agreement_group()
+        error = None
+        before = len(self.param_groups)
+        try:
+            self._add_group(param_group)
+            fingerprint = self._fingerprint(self.param_groups)
+        except (ValueError, TypeError, NotImplementedError) as err:
+            error, fingerprint = err, []
+        if group is not None:
+            try:  # as many elements as step's agreement: a rank alone in here cannot hang the others
+                flags = torch.zeros(1 + self._muon_count(self.param_groups[:before]))
+                agree("add_param_group", fingerprint, group, self._collective_device(), payload=flags, error=error)
+            except BaseException:
+                del self.param_groups[before:]
+                raise
+            self._fingerprint_words = digest_words(fingerprint)
+        if error is not None:
+            del self.param_groups[before:]
+            raise error
+
+    def _add_group(self, param_group: dict[str, Any]) -> None:
+        where = f" in param group {len(self.param_groups)}"
+        if not isinstance(param_group, dict):
+            raise TypeError(f"A param group must be a dict, got {type(param_group).__name__}{where}.")
+        unknown = set(param_group) - _USER_KEYS - set(MUON_KEYS) - set(ADAMW_GROUP_KEYS)
         if unknown:
             raise ValueError(f"Unknown option(s) {sorted(unknown)}{where}.")
         algorithm = param_group.get("algorithm")
@@ -367,88 +482,141 @@ class Muon(torch.optim.Optimizer):
         if view_override is not None and view_override not in MATRIX_VIEWS:
             raise ValueError(f"Invalid matrix_view={view_override!r}{where}. Must be one of {MATRIX_VIEWS}.")
 
-        entries = self._named_entries(param_group)
-        split = {alg: [] for alg in ((algorithm,) if algorithm else ALGORITHMS)}
-        for index, (name, param) in enumerate(entries):
-            label = name or f"parameter {index}"
-            if param.is_complex():
-                raise ValueError(f"Muon does not support complex parameters: {label}{where}.")
-            route = default_route(param, name, self._module_roles.get(id(param)))
-            chosen = algorithm or route.algorithm
-            view = view_override or (route.matrix_view if chosen == route.algorithm else "auto")
-            if chosen == "muon":
-                try:
-                    _, m, _ = matrix_shape(param.shape, view)
-                except ValueError as err:
-                    raise ValueError(f"{label}{where}: {err} Put it in an 'adamw' group.") from None
-                try:
-                    block_rows(param_group.get("ns_blocks", self.defaults["ns_blocks"]), m)
-                except ValueError as err:
-                    raise ValueError(f"{err} ({label}{where})") from None
-            split[chosen].append((name, param, view))
-
+        entries = self._named_entries(param_group, where)
+        group = {k: v for k, v in param_group.items() if k in ("name", "initial_lr") or k in MUON_KEYS}
+        for key in MUON_KEYS:
+            group.setdefault(key, self.defaults[key])
+        group["ns_dtype"] = dtype_name(group["ns_dtype"], where)
+        if not isinstance(group["ns_blocks"], (int, type(None))):
+            group["ns_blocks"] = list(group["ns_blocks"])  # plain values: DCP state dicts take them
+        group.update(_adamw_options(param_group, self.defaults), algorithm=algorithm, base_lr=float(group["lr"]))
+        routes = [self._route(name, param, index, algorithm, view_override, group, where)
+                  for index, (name, param) in enumerate(entries)]
+        group["algorithms"] = [r.algorithm for r in routes]
+        group["matrix_views"] = [r.matrix_view for r in routes]
+        group["route_reasons"] = [r.reason for r in routes]
+        if "muon" in group["algorithms"]:
+            validate_muon_group(group, where)
+        validate_adamw_group(group, where)
         named = any(name is not None for name, _ in entries)
-        for alg, members in split.items():
-            group = {
-                k: v for k, v in param_group.items()
-                if k in ("name", "initial_lr") or (k in MUON_KEYS and alg == "muon")
-            }
-            group["algorithm"] = alg
-            group["params"] = [(n, p) for n, p, _ in members] if named else [p for _, p, _ in members]
-            if named and not members:  # torch tells named groups by their first entry
-                group["param_names"] = []
-            if alg == "muon":
-                for key in MUON_KEYS:
-                    group.setdefault(key, self.defaults[key])
-                group["ns_dtype"] = dtype_name(group["ns_dtype"], where)
-                if not isinstance(group["ns_blocks"], (int, type(None))):
-                    group["ns_blocks"] = list(group["ns_blocks"])  # plain values: DCP state dicts take them
-                group["matrix_views"] = [v for _, _, v in members]
-                validate_muon_group(group, where)
-            else:
-                group.update(self._adamw_hparams(param_group, self.defaults, explicit=algorithm == "adamw"))
-                validate_adamw_group(group, where)
-            # torch's add_param_group would copy *all* defaults (both algorithms') into the group;
-            # every key is already filled here.
-            defaults, self.defaults = self.defaults, {}
-            try:
-                super().add_param_group(group)
-            finally:
-                self.defaults = defaults
+        group["params"] = [(n, p) for n, p in entries] if named else [p for _, p in entries]
+        if named and not entries:  # torch tells named groups by their first entry
+            group["param_names"] = []
+        # torch's add_param_group would copy the constructor's defaults into the group, including
+        # the adamw_* aliases and nonfinite_grads; every key is filled here already.
+        defaults, self.defaults = self.defaults, {}
+        try:
+            super().add_param_group(group)
+        finally:
+            self.defaults = defaults
 
-    @staticmethod
-    def _named_entries(param_group: dict[str, Any]) -> list[tuple[str | None, Tensor]]:
+    def _route(self, name: str | None, param: Tensor, index: int, algorithm: str | None, view_override: str | None,
+               group: dict[str, Any], where: str) -> Route:
+        """Where one parameter of a group goes: the group's ``algorithm``, else the default rule."""
+        label = name or f"parameter {index}"
+        if param.is_complex():
+            raise ValueError(f"Muon does not support complex parameters: {label}{where}.")
+        route = default_route(param, name, self._module_roles.get(id(param)))
+        if algorithm is not None:
+            view = route.matrix_view if algorithm == route.algorithm else "auto"
+            route = Route(algorithm, view, f"the group's algorithm={algorithm!r}")
+        if view_override is not None:
+            route = replace(route, matrix_view=view_override, reason=f"{route.reason}; matrix_view={view_override!r}")
+        if route.algorithm == "muon":
+            try:
+                _, m, _ = matrix_shape(param.shape, route.matrix_view)
+            except ValueError as err:
+                raise ValueError(f"{label}{where}: {err} Put it in an 'adamw' group.") from None
+            try:
+                block_rows(group["ns_blocks"], m)
+            except ValueError as err:
+                raise ValueError(f"{err} ({label}{where})") from None
+        return route
+
+    def _named_entries(self, param_group: dict[str, Any], where: str) -> list[tuple[str | None, Tensor]]:
         params = param_group["params"]
         if isinstance(params, Tensor):
             params = [params]
         elif isinstance(params, set):
-            raise TypeError("Parameters must be an ordered collection (a list), not a set.")
+            raise TypeError(f"Parameters must be an ordered collection (a list), not a set{where}.")
+        params = list(params)
+        pairs = [isinstance(item, tuple) for item in params]
+        if any(pairs) and not all(pairs):
+            raise TypeError(f"Parameters{where} mix (name, tensor) pairs and bare tensors: give all of them "
+                            "names or none.")
         names = param_group.get("param_names")
+        if names is not None and len(names) != len(params):
+            raise ValueError(f"param_names{where} has {len(names)} names for {len(params)} parameters.")
         entries = []
         for i, item in enumerate(params):
             name, tensor = item if isinstance(item, tuple) else (names[i] if names else None, item)
             if not isinstance(tensor, Tensor):
-                raise TypeError(f"Muon can only optimize Tensors, but got {type(tensor).__name__}.")
+                raise TypeError(f"Muon can only optimize Tensors, but got {type(tensor).__name__}{where}.")
             entries.append((name, tensor))
+        if entries and not any(pairs) and names is None and self._names_required():
+            entries = self._names_from_model(entries, where)
         return entries
 
+    def _names_required(self) -> bool:
+        """Whether the groups so far are named (torch requires all groups named, or none)."""
+        return bool(getattr(self, "param_groups", None)) and "param_names" in self.param_groups[0]
+
+    def _names_from_model(self, entries: list[tuple[str | None, Tensor]], where: str) -> list[tuple[str, Tensor]]:
+        """Bare tensors added to an optimizer whose groups are named: their names in the model the
+        optimizer was built from."""
+        model = self._model()
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        missing = [i for i, (_, p) in enumerate(entries) if id(p) not in names]
+        if missing:
+            raise TypeError(
+                f"The optimizer's param groups are named, but parameter {missing[0]}{where} is a bare tensor"
+                + (" that is not in the model it was built from" if model is not None else "")
+                + ": pass (name, tensor) pairs, e.g. {'params': list(module.named_parameters())}."
+            )
+        return [(names[id(p)], p) for _, p in entries]
+
+    def _warn_if_routed_by_shape_only(self) -> None:
+        """Without names or a module, routing cannot tell an embedding or a head from a hidden matrix."""
+        blind = [p for g in self.param_groups if g["algorithm"] is None and "param_names" not in g
+                 for p, alg in zip(g["params"], g["algorithms"]) if alg == "muon"]
+        if blind:
+            warnings.warn(
+                f"dmuon.Muon routed {len(blind)} {'matrix' if len(blind) == 1 else 'matrices'} to Muon by shape alone: without names or modules it "
+                "cannot tell embeddings and output heads (which should get AdamW) from hidden matrices. Pass the "
+                "model (dmuon.Muon(model, ...)) or model.named_parameters(), or put those matrices in a group with "
+                "\"algorithm\": \"muon\" (and the rest in one with \"algorithm\": \"adamw\").",
+                stacklevel=4,
+            )
+
+    def routes(self) -> dict[str, Route]:
+        """Each parameter's route (algorithm, matrix view, reason), by name; an unnamed one is
+        ``"group{g}.param{i}"``."""
+        out = {}
+        for g, group in enumerate(self.param_groups):
+            names = group.get("param_names") or [f"group{g}.param{i}" for i in range(len(group["params"]))]
+            out.update((name, Route(*route)) for name, *route
+                       in zip(names, group["algorithms"], group["matrix_views"], group["route_reasons"]))
+        return out
+
     def routing_summary(self) -> str:
-        """A table: every parameter, its shape, the algorithm and the matrices Muon sees."""
-        rows = [("group", "parameter", "shape", "algorithm", "matrices")]
+        """A table: every parameter, its shape, the algorithm, the matrices Muon sees, and why."""
+        rows = [("group", "parameter", "shape", "algorithm", "matrices", "why")]
         for g, group in enumerate(self.param_groups):
             names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
             for i, (name, p) in enumerate(zip(names, group["params"])):
-                if group["algorithm"] == "muon":
+                algorithm = group["algorithms"][i]
+                if algorithm == "muon":
                     count, m, n = matrix_shape(p.shape, group["matrix_views"][i])
                     matrices = f"{count} x {m}x{n}"
                 else:
                     matrices = "-"
-                rows.append((str(g), name, "x".join(map(str, p.shape)), group["algorithm"], matrices))
-        widths = [max(len(r[c]) for r in rows) for c in range(5)]
+                rows.append((str(g), name, "x".join(map(str, p.shape)), algorithm, matrices,
+                             group["route_reasons"][i]))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
 
     def __repr__(self) -> str:
-        counts = {alg: sum(len(g["params"]) for g in self.param_groups if g["algorithm"] == alg) for alg in ALGORITHMS}
+        counts = {alg: sum(g["algorithms"].count(alg) for g in self.param_groups) for alg in ALGORITHMS}
         return (
             f"{type(self).__name__}(muon: {counts['muon']} params, adamw: {counts['adamw']} params, "
             f"groups: {len(self.param_groups)})\n{self.routing_summary()}"
@@ -460,11 +628,14 @@ class Muon(torch.optim.Optimizer):
         """(name, param, group, matrix view) of every Muon parameter, in group order."""
         out = []
         for g, group in enumerate(self.param_groups):
-            if group["algorithm"] != "muon":
-                continue
             names = group.get("param_names") or [f"group{g}.param{i}" for i in range(len(group["params"]))]
-            out.extend(zip(names, group["params"], [group] * len(names), group["matrix_views"]))
+            out.extend((name, p, group, view) for name, p, alg, view
+                       in zip(names, group["params"], group["algorithms"], group["matrix_views"]) if alg == "muon")
         return out
+
+    @staticmethod
+    def _muon_count(groups: Sequence[dict[str, Any]]) -> int:
+        return sum(g["algorithms"].count("muon") for g in groups)
 
     def _works(self, entries: list, inputs: dict[int, Callable[[], Tensor]]) -> list[MatrixWork]:
         """The orthogonalization work of Muon parameter ``entries`` (inputs: id → a function
@@ -602,8 +773,8 @@ class Muon(torch.optim.Optimizer):
     def _measure_symmetric_products(self) -> dict[tuple[int, int], str]:
         """``symmetric_products="auto"``: time Newton–Schulz of each distinct matrix shape with
         torch's products and with the Triton kernel (where Triton runs), and keep the faster.
-        Under torch.distributed the ranks add up their timings (one all_gather_object), so that
-        every rank makes the same choice: distributed NS needs the same recurrence everywhere."""
+        Under torch.distributed the ranks add up their timings (gathered as bytes), so that every
+        rank makes the same choice: distributed NS needs the same recurrence everywhere."""
         device = self._collective_device()
         seconds: dict[tuple[int, int], dict[str, float]] = {}
         if triton_usable(device):
@@ -616,8 +787,7 @@ class Muon(torch.optim.Optimizer):
                     seconds[m, n] = symmetric_products_seconds(config, (1, m, n), device)
         group = self._agreement_group()
         if group is not None:
-            everyone: list[dict] = [{} for _ in range(dist.get_world_size(group))]
-            dist.all_gather_object(everyone, seconds, group=group)
+            everyone: list[dict] = all_gather_object(seconds, group, device)
             seconds = {shape: {kind: sum(rank.get(shape, {}).get(kind, math.inf) for rank in everyone)
                                for kind in SYMMETRIC_PRODUCTS} for shape in everyone[0]}
         return {shape: min(times, key=times.get) for shape, times in seconds.items()}
@@ -669,7 +839,7 @@ class Muon(torch.optim.Optimizer):
         ``ns_seconds``.
         """
         stats = self._engine.stats
-        labels = [self._group_label(g) for g in self.param_groups if g["algorithm"] == "muon"]
+        labels = [self._group_label(g) for g in self.param_groups if "muon" in g["algorithms"]]
         squares = [self._update_squares.get(label, [torch.zeros(()), 0]) for label in labels]
         sums = torch.tensor([float(sq) for sq, _ in squares] + [n for _, n in squares], dtype=torch.float64)
         counts = torch.tensor([stats.matrices_orthogonalized, stats.ns_flops, stats.bytes_sent, stats.collectives],
@@ -692,22 +862,113 @@ class Muon(torch.optim.Optimizer):
                    collectives=collectives, skipped_steps=float(self.skipped_steps))
         return out
 
-    def _check_ranks_agree(self) -> None:
-        """Raise on every rank if ranks were given different configurations (one collective).
+    def _fingerprint(self, groups: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+        """What the ranks must agree on, as ordered (what, value) pairs: every option that shapes
+        the step's collectives, every group's hyperparameters, and every Muon parameter (its name,
+        shape and matrix view) — their matrices take part in collectives. AdamW is element-wise
+        and local, so a rank may hold AdamW parameters that others lack.
 
-        Muon groups must match exactly — their matrices take part in collectives. AdamW groups
-        are element-wise and local, so only their hyperparameters must match: a rank may hold
-        AdamW parameters that others lack (or none at all).
-        """
-        fingerprint = {"options": repr(self._engine_options)}
-        for g, group in enumerate(self.param_groups):
-            for key, value in group.items():
-                if key not in ("params", "initial_lr", "param_names"):
-                    fingerprint[f"param group {g} {key}"] = repr(value)
-            if group["algorithm"] == "muon":
-                fingerprint[f"param group {g} names"] = repr(group.get("param_names"))
-                fingerprint[f"param group {g} shapes"] = repr([tuple(p.shape) for p in group["params"]])
-        check_ranks_agree(fingerprint, self._process_group or dist.group.WORLD, "optimizer configuration")
+        Unnamed parameters can only be matched by position: where they are replicas (plain
+        tensors under DDP) a checksum of their values tells two same-shape matrices apart, so
+        that a different order on some rank is caught."""
+        out = [("options", self._options.describe()),
+               ("nonfinite_grads", repr(self.defaults["nonfinite_grads"])),
+               ("number of param groups", str(len(groups)))]
+        for g, group in enumerate(groups):
+            for key in (*MUON_KEYS, *ADAMW_GROUP_KEYS, "algorithm", "name"):
+                value = group.get(key)
+                out.append((f"param group {g}'s {key}", repr(float(value) if isinstance(value, Tensor) else value)))
+            names = group.get("param_names")
+            muon = [i for i, alg in enumerate(group["algorithms"]) if alg == "muon"]
+            for j, i in enumerate(muon):
+                p, view = group["params"][i], group["matrix_views"][i]
+                shape = tuple(p.shape)
+                if names:
+                    what = f"{names[i]!r} of shape {shape}"
+                elif isinstance(p, DTensor) or owned_by(p) is not None:
+                    what = f"an unnamed {shape} matrix"
+                else:
+                    what = (f"an unnamed {shape} matrix with values summing to {p.detach().double().sum().item()!r} "
+                            "(unnamed replicas are matched by position and values; pass names to match by name)")
+                what += "" if view == "auto" else f" seen as {view!r}"
+                key = f"param group {g}'s Muon parameter {j}"
+                out.append((key, what))
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict (collective under torch.distributed, as construction is).
+
+        Checked before anything changes, naming the offending group or parameter: the groups'
+        keys and routing, and every state tensor's shape against its parameter's; then the ranks
+        compare the configuration the state would give them."""
+        error = None
+        try:
+            self._check_loadable(state_dict)
+            loaded = [{**saved, "params": mine["params"], **({"param_names": mine["param_names"]}
+                                                              if "param_names" in mine else {})}
+                      for saved, mine in zip(state_dict["param_groups"], self.param_groups)]
+            fingerprint = self._fingerprint(loaded)
+        except (ValueError, TypeError, KeyError) as err:
+            error, fingerprint = err, []
+        group = self._agreement_group()
+        if group is not None:
+            flags = torch.zeros(1 + self._muon_count(self.param_groups))
+            agree("load_state_dict", fingerprint, group, self._collective_device(), payload=flags, error=error)
+        if error is not None:
+            raise error
+        super().load_state_dict(state_dict)
+        self._fingerprint_words = digest_words(fingerprint)
+        self._split_decisions, self._distribution_decisions, self._gang_decisions = {}, {}, {}
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(groups, list) or not isinstance(state, dict):
+            raise ValueError("Invalid state dict: it needs 'state' (a dict) and 'param_groups' (a list).")
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"The state dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}.")
+        for g, (saved, mine) in enumerate(zip(groups, self.param_groups)):
+            missing = [k for k in GROUP_KEYS if k not in saved]
+            if missing:
+                raise ValueError(f"Param group {g} of the state dict lacks {missing} (a dmuon.Muon state dict "
+                                 "of another version or optimizer?).")
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError(f"Param group {g} of the state dict has {len(saved['params'])} parameters, "
+                                 f"this optimizer's {len(mine['params'])}.")
+            names = mine.get("param_names") or [f"group {g} param {i}" for i in range(len(mine["params"]))]
+            for i, (key, p) in enumerate(zip(saved["params"], mine["params"])):
+                if saved["algorithms"][i] != mine["algorithms"][i]:
+                    raise ValueError(f"Parameter {names[i]!r} is routed to {mine['algorithms'][i]} here but to "
+                                     f"{saved['algorithms'][i]} in the state dict.")
+                entry = state.get(key, {})
+                needed = _STATE_KEYS[mine["algorithms"][i]] if entry else ()
+                for name in needed:
+                    value = entry.get(name)
+                    if not isinstance(value, Tensor):
+                        raise ValueError(f"The state of parameter {names[i]!r} lacks {name!r}.")
+                    if name != "step" and tuple(value.shape) != tuple(p.shape):
+                        raise ValueError(f"The state of parameter {names[i]!r} has {name} of shape "
+                                         f"{tuple(value.shape)}; the parameter's shape is {tuple(p.shape)}.")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """All of the optimizer but its engine and compiled kernels, which are rebuilt from the
+        options (a deep copy or an unpickled optimizer can step)."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_engine", "_kernels", "_model")}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._model = lambda: None
+        self._make_engine()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Muon:
+        if self._process_group is not None:  # a process group is shared, not copied
+            memo[id(self._process_group)] = self._process_group
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
 
     # ------------------------------------------------------------------ step
 
@@ -735,10 +996,8 @@ class Muon(torch.optim.Optimizer):
                 self.state[p]
         inputs = {}
         for group in self.param_groups:
-            if group["algorithm"] == "muon":
-                inputs.update(self._momentum(group, stepped))
-            else:
-                self._adamw(group)
+            inputs.update(self._momentum(group, stepped))
+            self._adamw(group)
         entries = [e for e in self._muon_params() if id(e[1]) in inputs]
         self._engine.run(self._works(entries, inputs))
         return loss
@@ -755,9 +1014,16 @@ class Muon(torch.optim.Optimizer):
         muon = [(name, p) for name, p, _, _ in self._muon_params()]
         device = self._collective_device()
         flags: list[tuple[str, Tensor]] = []  # (name, finite?) as device tensors: no host sync
-        if self.defaults["nonfinite_grads"] != "ignore":
-            for g, group in enumerate(self.param_groups):
-                names = group.get("param_names") or [f"group {g} param {i}" for i in range(len(group["params"]))]
+        named = [(group.get("param_names") or [f"group {g} param {i}" for i in range(len(group["params"]))], group)
+                 for g, group in enumerate(self.param_groups)]
+        sparse = next((n for names, group in named for n, p in zip(names, group["params"])
+                       if p.grad is not None and p.grad.is_sparse), None)
+        error = None
+        if sparse is not None:  # before any reduction (none runs on sparse tensors), shared with the other ranks
+            error = RuntimeError(f"Muon does not support sparse gradients: {sparse!r} has one. Use dense gradients "
+                                 "(e.g. nn.Embedding(..., sparse=False)).")
+        elif self.defaults["nonfinite_grads"] != "ignore":
+            for names, group in named:
                 flags.extend((n, all_finite(_local(p.grad))) for n, p in zip(names, group["params"])
                              if p.grad is not None and _steps_here(p))
         # an owner-sharded parameter's gradient is its owner's business alone: others report none missing
@@ -766,7 +1032,13 @@ class Muon(torch.optim.Optimizer):
             no_grad = no_grad.pin_memory().to(device, non_blocking=True)
         bad = torch.stack([~f for _, f in flags]).any().reshape(1) if flags else torch.zeros(1, dtype=torch.bool)
         local = torch.cat([bad.to(device=device, dtype=torch.float32), no_grad.to(device)])
-        agreed = all_reduce_max(local, self._agreement_group(), self._engine.counter).tolist()  # the one host read
+        group = self._agreement_group()
+        if group is not None:  # the agreement's header travels with the flags, in one all-reduce
+            local = agree("step", None, group, device, payload=local, words=self._fingerprint_words,
+                          error=error, counter=self._engine.counter)
+        if error is not None:
+            raise error
+        agreed = local.tolist()  # the one host read
         if agreed[0] > 0:
             where = [n for n, f in flags if not f] or ["another rank's parameters"]
             if self.defaults["nonfinite_grads"] == "raise":
@@ -783,26 +1055,27 @@ class Muon(torch.optim.Optimizer):
     def _collective_device(self) -> torch.device:
         """Where the optimizer's small collectives run: the parameters' device (NCCL groups take
         only CUDA tensors)."""
-        return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+        device = next((p.device for g in getattr(self, "param_groups", ()) for p in g["params"]), None)
+        if device is None:  # no parameters (or construction failed before any): the backend's device
+            device = default_device(self._agreement_group())
+        return device
 
     def _agreement_group(self) -> dist.ProcessGroup | None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         return self._process_group or dist.group.WORLD
 
-    def _params_with_grad(self, group: dict[str, Any]) -> list[Tensor]:
-        params = [p for p in group["params"] if p.grad is not None]
-        for p in params:
-            if p.grad.is_sparse:
-                raise RuntimeError("Muon does not support sparse gradients.")
-        return params
+    @staticmethod
+    def _params_with_grad(group: dict[str, Any], algorithm: str) -> list[Tensor]:
+        """The group's parameters routed to ``algorithm`` that have a gradient."""
+        return [p for p, alg in zip(group["params"], group["algorithms"]) if alg == algorithm and p.grad is not None]
 
     def _momentum(self, group: dict[str, Any], stepped: set[int]) -> dict[int, Callable[[], Tensor]]:
         """Update the momentum of the group's parameters; return functions computing their NS
         inputs (local pieces), called only where and when the exchange needs them."""
         momentum, nesterov = group["momentum"], group["nesterov"]
         inputs = {}
-        for p in self._params_with_grad(group):
+        for p in self._params_with_grad(group, "muon"):
             if id(p) not in stepped:
                 continue
             state = self.state[p]
@@ -819,7 +1092,7 @@ class Muon(torch.optim.Optimizer):
         return inputs
 
     def _adamw(self, group: dict[str, Any]) -> None:
-        params = self._params_with_grad(group)
+        params = self._params_with_grad(group, "adamw")
         for p in params:
             state = self.state[p]
             if not state:
@@ -828,12 +1101,13 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if not params:
             return
-        beta1, beta2 = group["betas"]
+        hyper = adamw_hyperparameters(group)
+        beta1, beta2 = hyper["betas"]
         adamw_update(
             params, [p.grad for p in params],
             [self.state[p]["exp_avg"] for p in params],
             [self.state[p]["exp_avg_sq"] for p in params],
             [], [self.state[p]["step"] for p in params],
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=hyper["lr"],
+            weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=False,
         )

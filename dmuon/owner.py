@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dmuon.exchange import CommCounter, check_ranks_agree, start_all_reduce_sum, start_broadcast, start_reduce
+from dmuon.agreement import agree
+from dmuon.exchange import CommCounter, default_device, start_all_reduce_sum, start_broadcast, start_reduce
 from dmuon.layout import OwnedParam, mark_owned
 from dmuon.orthogonalization import newton_schulz_flops, resolve_config
 from dmuon.planner import plan_ownership
@@ -567,7 +568,8 @@ def shard_by_owner(
                        for layer, _, members in grouped for name, p in members}
         rest_ids = {id(p) for p in rest}
         fingerprint["options"] = repr((reshard_after_forward, [n for n, p in named.values() if id(p) in rest_ids]))
-        check_ranks_agree(fingerprint, groups.everyone, "owner sharding")
+        agree("shard_by_owner", list(fingerprint.items()), groups.everyone,
+              next((p.device for _, p in ordered), default_device(groups.everyone)), what="owner sharding")
     sharding = OwnerSharding(model, ordered, [_Layer(*g) for g in grouped], [holder_ranks[q] for q in positions],
                              [owner_ranks[q] for q in positions], groups, reshard_after_forward, rest)
     sharding._install(sync_module_states)

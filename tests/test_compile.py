@@ -30,8 +30,7 @@ def train(compile, ns_dtype: torch.dtype, lrs=(0.02, 0.01, 0.005), momenta=(0.95
     for x, lr, momentum in zip(batches, lrs, momenta):
         for group in opt.param_groups:
             group["lr"] = lr
-            if group["algorithm"] == "muon":
-                group["momentum"] = momentum
+            group["momentum"] = momentum  # Muon's: the AdamW parameters of a group do not read it
         opt.zero_grad()
         (model(x) - x.flip(1)).square().mean().backward()
         opt.step()

@@ -1,5 +1,5 @@
 """A distributed step equals the single-process step, bitwise, on identical full gradients
-(TESTING.md rows 3, 5, 6, 10–13): DDP, FSDP2-style Shard(0) and HSDP layouts, world sizes 1–4.
+(docs/testing.md rows 3, 5, 6, 10–13): DDP, FSDP2-style Shard(0) and HSDP layouts, world sizes 1–4.
 
 Every rank runs the single-process reference on the full tensors itself and compares its own
 shard of the parameters and momentum with the reference's rows."""
@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import dmuon
+from dmuon.agreement import HEADER_LEN
 from dmuon.reference import ReferenceMuon
 from tests.distributed import WORLD_SIZES, run_on_ranks
 
@@ -106,8 +107,9 @@ def total_matrices(shapes) -> int:
 
 
 def agreed_flag_bytes(world: int) -> int:
-    """The per-step all-reduce of the skip flags: one float per Muon parameter, plus one."""
-    return 0 if world == 1 else 4 * (len(SHAPES) + 1)
+    """The per-step all-reduce of the agreement header and the skip flags: the header's floats,
+    one per Muon parameter, plus one."""
+    return 0 if world == 1 else 4 * (HEADER_LEN + len(SHAPES) + 1)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -257,9 +259,10 @@ def partial_layout() -> None:
 
 
 @pytest.mark.parametrize("fn,expected", [
-    (divergent_lr, r"ValueError: Ranks disagree .*param group 0 lr is 0.01 on rank 0 but 0.02 on rank 1"),
+    (divergent_lr, r"ValueError: Ranks disagree .*param group 0's lr is 0.01 on rank 0 but 0.02 on rank 1"),
     (muon_parameters_differ_across_ranks,
-     r"ValueError: Ranks disagree .*param group 0 shapes is \[\(8, 4\), \(6, 6\)\] on rank 0 but \[\(8, 4\), \(6, 7\)\] on rank 1"),
+     r"ValueError: Ranks disagree .*param group 0's Muon parameter 1 is an unnamed \(6, 6\) matrix .* on rank 0 "
+     r"but an unnamed \(6, 7\) matrix .* on rank 1"),
     (partial_layout, r"NotImplementedError: .*'group0.param0'.*Partial"),
 ])
 def test_bad_setups_raise_the_same_error_on_every_rank(fn, expected):
@@ -339,7 +342,7 @@ def test_expert_stacks_are_orthogonalized_where_they_live(mesh_shape, experts):
     for rank, r in enumerate(results):
         assert all(r["equal"]) and r["momentum_equal"] and r["placements"], (rank, r)
         # only the plain matrix and the flags travel; the stack's matrices stay home
-        flags = 4 * 3
+        flags = 4 * (HEADER_LEN + 3)
         assert r["bytes_sent"] == r["plain_matrix_bytes"] + flags, (rank, r)
     assert sum(r["local_experts"] for r in results) == experts
     owned_plain = sum(r["matrices"] - r["local_experts"] for r in results)

@@ -70,8 +70,8 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def algorithm_of(optimizer: dmuon.Muon) -> dict[str, str]:
-    """Parameter name -> "muon"/"adamw", read from the optimizer's groups."""
-    return {name: group["algorithm"] for group in optimizer.param_groups for name in group["param_names"]}
+    """Parameter name -> "muon"/"adamw", read from the optimizer's routes."""
+    return {name: route.algorithm for name, route in optimizer.routes().items()}
 
 
 def assert_routed(optimizer: dmuon.Muon, embedding: str, head: str) -> None:

@@ -1,4 +1,4 @@
-"""Single-process ``dmuon.Muon``: parity, routing, validation and the optimizer API (TESTING.md
+"""Single-process ``dmuon.Muon``: parity, routing, validation and the optimizer API (docs/testing.md
 rows 2, 10, 11, 13–16, 18)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import dmuon
+from dmuon.optimizer import adamw_hyperparameters
 from dmuon.reference import ReferenceMuon
 
 BF16_PARITY_TOL = 2e-2
@@ -102,7 +103,7 @@ def test_fast_path_equals_reference_bitwise(ns_method, ns_dtype):
     net, ref_net = make_net(), make_net()
     kwargs = dict(lr=0.01, weight_decay=0.1, ns_method=ns_method, ns_dtype=ns_dtype)
     opt = dmuon.Muon(net, **kwargs)
-    muon_names = {n for g in opt.param_groups if g["algorithm"] == "muon" for n in g["param_names"]}
+    muon_names = {n for n, route in opt.routes().items() if route.algorithm == "muon"}
     ref_params = dict(ref_net.named_parameters())
     ref_muon = ReferenceMuon([ref_params[n] for n in sorted(muon_names) if n != "conv.weight"], **kwargs)
     ref_conv = ReferenceMuon([ref_params["conv.weight"]], matrix_view="flatten", **kwargs)
@@ -122,7 +123,7 @@ def test_fast_path_equals_reference_bitwise(ns_method, ns_dtype):
 
 def test_routing_from_module():
     opt = dmuon.Muon(make_net())
-    routes = {n: g["algorithm"] for g in opt.param_groups for n in g["param_names"]}
+    routes = {n: route.algorithm for n, route in opt.routes().items()}
     assert routes == {
         "embed.weight": "adamw", "hidden.weight": "muon", "hidden.bias": "adamw",
         "norm.weight": "adamw", "norm.bias": "adamw", "conv.weight": "muon", "conv.bias": "adamw",
@@ -132,6 +133,11 @@ def test_routing_from_module():
     assert "3 x 16x8" in summary  # the expert stack: 3 matrices
     assert "1 x 3x6" in summary  # the Conv1d kernel (3, 2, 3) flattened
     assert "routing" not in repr(opt) and "hidden.weight" in repr(opt)
+    # why each parameter went where
+    reasons = {n: route.reason for n, route in opt.routes().items()}
+    assert reasons["embed.weight"] == "embedding" and reasons["lm_head.weight"] == "output head"
+    assert reasons["conv.weight"] == "convolution kernel, flattened" and reasons["hidden.bias"].startswith("1-D")
+    assert all(reason in summary for reason in reasons.values())
 
 
 def test_tied_head_and_vocab_sized_head_go_to_adamw():
@@ -145,7 +151,7 @@ def test_tied_head_and_vocab_sized_head_go_to_adamw():
             self.tied.weight = self.tok.weight
 
     opt = dmuon.Muon(Tied())
-    routes = {n: g["algorithm"] for g in opt.param_groups for n in g["param_names"]}
+    routes = {n: route.algorithm for n, route in opt.routes().items()}
     assert routes["tok.weight"] == "adamw" and routes["out.weight"] == "adamw"
     assert routes["proj.weight"] == "muon"
     assert "tied.weight" not in routes  # the same tensor as tok.weight
@@ -154,11 +160,12 @@ def test_tied_head_and_vocab_sized_head_go_to_adamw():
 def test_routing_from_named_parameters_and_plain_tensors():
     net = make_net()
     named = dmuon.Muon(net.named_parameters())
-    named_routes = {n: g["algorithm"] for g in named.param_groups for n in g["param_names"]}
+    named_routes = {n: route.algorithm for n, route in named.routes().items()}
     assert named_routes["embed.weight"] == "adamw" and named_routes["lm_head.weight"] == "adamw"
-    plain = dmuon.Muon(net.parameters())
+    with pytest.warns(UserWarning, match="routed 5 matrices to Muon by shape alone.*Pass the model"):
+        plain = dmuon.Muon(net.parameters())
     # without names or modules only the shape rule applies: every matrix goes to Muon
-    assert sum(len(g["params"]) for g in plain.param_groups if g["algorithm"] == "muon") == 5
+    assert sum(route.algorithm == "muon" for route in plain.routes().values()) == 5
 
 
 def test_explicit_groups_override_and_split():
@@ -168,13 +175,14 @@ def test_explicit_groups_override_and_split():
         {"params": [net.lm_head.weight], "algorithm": "muon"},
         {"params": [net.experts], "algorithm": "adamw", "betas": (0.8, 0.9), "eps": 1e-6},
     ], lr=0.1, adamw_eps=1e-7)
-    algorithms = [g["algorithm"] for g in opt.param_groups]
-    assert algorithms == ["muon", "adamw", "muon", "adamw"]
-    assert [len(g["params"]) for g in opt.param_groups] == [1, 1, 1, 1]
-    assert opt.param_groups[0]["lr"] == opt.param_groups[1]["lr"] == 0.5
-    assert opt.param_groups[1]["eps"] == 1e-7  # a plain eps of a split group is Muon's
-    assert opt.param_groups[3]["betas"] == (0.8, 0.9) and opt.param_groups[3]["eps"] == 1e-6
-    assert opt.param_groups[2]["lr"] == 0.1 and "betas" not in opt.param_groups[2]
+    # one group per group given, routed per parameter inside
+    assert [g["algorithms"] for g in opt.param_groups] == [["muon", "adamw"], ["muon"], ["adamw"]]
+    assert [g["algorithm"] for g in opt.param_groups] == [None, "muon", "adamw"]
+    adamw = [adamw_hyperparameters(g) for g in opt.param_groups]
+    assert opt.param_groups[0]["lr"] == adamw[0]["lr"] == 0.5
+    assert adamw[0]["eps"] == 1e-7  # a plain eps of a mixed group is Muon's
+    assert adamw[2]["betas"] == (0.8, 0.9) and adamw[2]["eps"] == 1e-6 and adamw[2]["lr"] == 0.1
+    assert opt.param_groups[1]["lr"] == 0.1
 
 
 def test_ns_dtype_is_kept_by_name():
@@ -187,7 +195,7 @@ def test_ns_dtype_is_kept_by_name():
 def test_adamw_options():
     net = make_net()
     opt = dmuon.Muon(net, lr=0.1, weight_decay=0.2, adamw_lr=0.003, adamw_weight_decay=0.0, adamw_betas=(0.5, 0.6))
-    adamw = next(g for g in opt.param_groups if g["algorithm"] == "adamw")
+    adamw = adamw_hyperparameters(opt.param_groups[0])
     assert (adamw["lr"], adamw["weight_decay"], adamw["betas"], adamw["eps"]) == (0.003, 0.0, (0.5, 0.6), 1e-8)
 
 
@@ -214,6 +222,11 @@ def test_adamw_options():
     (dict(adamw_eps=-1.0), "eps=-1.0"),
     (dict(nonfinite_grads="nan"), "nonfinite_grads='nan'"),
     (dict(lr=torch.tensor([0.1, 0.2])), "one element"),
+    (dict(lr=float("inf")), "lr=inf. Must be finite"),
+    (dict(weight_decay=float("inf")), "weight_decay=inf. Must be finite"),
+    (dict(adamw_lr=float("inf")), "adamw_lr=inf. Must be finite"),
+    (dict(adamw_weight_decay=float("-inf")), "adamw_weight_decay=-inf. Must be finite"),
+    (dict(lr=torch.tensor(float("inf"))), "Must be finite"),
 ])
 def test_bad_hyperparameters_raise_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -345,7 +358,7 @@ def test_add_param_group_later():
     net = make_net()
     opt = dmuon.Muon([net.hidden.weight], lr=0.01)
     opt.add_param_group({"params": [net.experts, net.norm.weight], "lr": 0.02})
-    assert [g["algorithm"] for g in opt.param_groups] == ["muon", "adamw", "muon", "adamw"]
+    assert [g["algorithms"] for g in opt.param_groups] == [["muon"], ["muon", "adamw"]]
     set_random_grads(net.parameters(), 0)
     before = net.experts.detach().clone()
     opt.step()
@@ -496,7 +509,7 @@ def test_statistics_describe_the_last_step():
     squares = sum(((b - p.detach()) / 0.01).square().sum() for p, b in muon)
     numel = sum(p.numel() for p, _ in muon)
     assert stats["muon/update_rms/0"] == pytest.approx(math.sqrt(squares / numel), rel=1e-4)
-    assert stats["lr/0"] == stats["lr/1"] == 0.01
+    assert stats["lr/0"] == 0.01 and "lr/1" not in stats  # the model is one group
     assert stats["matrices"] == 2 and stats["ns_gflop"] > 0 and stats["ns_seconds"] > 0
     assert stats["bytes_sent"] == stats["collectives"] == stats["skipped_steps"] == 0
     assert all(isinstance(v, float) for v in stats.values())
@@ -540,7 +553,7 @@ def test_named_groups_that_route_to_one_algorithm():
     it must still count as named, or torch refuses to mix named and unnamed groups."""
     w, b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))
     opt = dmuon.Muon([{"params": [("w", w)]}, {"params": [("b", b)]}])
-    assert [g["param_names"] for g in opt.param_groups] == [["w"], [], [], ["b"]]
+    assert [g["param_names"] for g in opt.param_groups] == [["w"], ["b"]]
     w.grad, b.grad = torch.randn(4, 4), torch.randn(4)
     opt.step()
     opt.load_state_dict(opt.state_dict())
@@ -567,3 +580,123 @@ def test_a_step_reads_the_device_once(monkeypatch):
         opt.step()
         monkeypatch.undo()
         assert reads == ["tolist"]
+
+
+# ---------------------------------------------------------------- misuse that must not pass silently
+
+def test_sparse_gradients_get_a_clear_error_under_every_policy():
+    for policy in ("skip", "raise", "ignore"):
+        table = nn.Embedding(10, 4, sparse=True)
+        hidden = nn.Linear(4, 4)
+        opt = dmuon.Muon(nn.ModuleDict({"embed": table, "hidden": hidden}), nonfinite_grads=policy)
+        hidden(table(torch.tensor([1, 2]))).sum().backward()
+        with pytest.raises(RuntimeError, match="does not support sparse gradients: 'embed.weight'"):
+            opt.step()
+
+
+def test_a_deep_copy_and_an_unpickled_optimizer_step_like_the_original():
+    import pickle
+
+    net = make_net()
+    opt = dmuon.Muon(net, lr=0.01)
+    set_random_grads(net.parameters(), 0)
+    opt.step()
+    twins = [copy.deepcopy((net, opt)), pickle.loads(pickle.dumps((net, opt)))]
+    public = {k for k in opt.__dict__ if not k.startswith("_")}
+    for twin_net, twin in twins:  # torch's own check: every public attribute survives the copy
+        assert {k for k in twin.__dict__ if not k.startswith("_")} == public
+    for step in (1, 2):
+        for model, o in [(net, opt), *twins]:
+            set_random_grads(model.parameters(), step)
+            o.step()
+    for twin_net, _ in twins:
+        assert all(torch.equal(a, b) for a, b in zip(net.parameters(), twin_net.parameters()))
+
+
+def test_mixed_named_and_bare_parameters_are_rejected():
+    net = make_net()
+    with pytest.raises(TypeError, match="mix \\(name, tensor\\) pairs and bare tensors"):
+        dmuon.Muon([("hidden.weight", net.hidden.weight), net.experts])
+
+
+def test_load_state_dict_checks_shapes_and_keys_naming_the_parameter():
+    net = make_net()
+    opt = dmuon.Muon(net, lr=0.01)
+    set_random_grads(net.parameters(), 0)
+    opt.step()
+    good = opt.state_dict()
+    index = good["param_groups"][0]["param_names"].index("hidden.weight")
+    key = good["param_groups"][0]["params"][index]
+    wrong_shape = copy.deepcopy(good)
+    wrong_shape["state"][key]["momentum_buffer"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="'hidden.weight' has momentum_buffer of shape \\(3, 3\\)"):
+        opt.load_state_dict(wrong_shape)
+    incomplete = copy.deepcopy(good)
+    embed = good["param_groups"][0]["params"][good["param_groups"][0]["param_names"].index("embed.weight")]
+    del incomplete["state"][embed]["exp_avg_sq"]
+    with pytest.raises(ValueError, match="state of parameter 'embed.weight' lacks 'exp_avg_sq'"):
+        opt.load_state_dict(incomplete)
+    missing_key = copy.deepcopy(good)
+    del missing_key["param_groups"][0]["ns_steps"]
+    with pytest.raises(ValueError, match="Param group 0 of the state dict lacks \\['ns_steps'\\]"):
+        opt.load_state_dict(missing_key)
+    before = [p.detach().clone() for p in net.parameters()]
+    opt.load_state_dict(good)  # the failed loads changed nothing; the good one still loads and steps
+    set_random_grads(net.parameters(), 1)
+    opt.step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+# ---------------------------------------------------------------- migrating from AdamW
+
+def adamw_style_groups(net: Net) -> list[dict]:
+    """The decay / no-decay split of a typical AdamW training script."""
+    decay = [(n, p) for n, p in net.named_parameters() if p.ndim >= 2]
+    no_decay = [(n, p) for n, p in net.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def test_param_groups_are_the_users_and_schedulers_follow():
+    net = make_net()
+    opt = dmuon.Muon(adamw_style_groups(net), lr=0.02, adamw_lr=0.004)
+    assert len(opt.param_groups) == 2  # one group per group given, routed per parameter inside
+    assert set(opt.param_groups[0]["algorithms"]) == {"muon", "adamw"}  # hidden matrices and the embedding
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda step: 0.5, lambda step: 0.25])
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 0.005]
+    # an explicit adamw_lr follows its group's schedule
+    assert [adamw_hyperparameters(g)["lr"] for g in opt.param_groups] == pytest.approx([0.002, 0.001])
+    set_random_grads(net.parameters(), 0)
+    opt.step()
+    sched.step()
+    state = opt.state_dict()
+    again = dmuon.Muon(adamw_style_groups(net), lr=0.02, adamw_lr=0.004)
+    again.load_state_dict(state)
+    assert [g["lr"] for g in again.param_groups] == [0.01, 0.005]
+
+
+def test_applied_adamw_lr_follows_the_scheduler():
+    def change(factor: float) -> float:
+        torch.manual_seed(0)
+        bias = nn.Parameter(torch.randn(8))
+        opt = dmuon.Muon([{"params": [("bias", bias)]}], lr=0.02, adamw_lr=0.004, weight_decay=0.0)
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda step: factor)
+        bias.grad = torch.ones(8)
+        before = bias.detach().clone()
+        opt.step()
+        return (bias.detach() - before).abs().max().item()
+
+    # AdamW's first step moves each element by about its lr
+    assert change(1.0) == pytest.approx(0.004, rel=1e-3) and change(0.5) == pytest.approx(0.002, rel=1e-3)
+
+
+def test_add_param_group_with_bare_tensors_finds_their_names_in_the_model():
+    net = make_net()
+    opt = dmuon.Muon(net, lr=0.01)
+    net.extra = nn.Linear(8, 8)  # a module added to the model later
+    opt.add_param_group({"params": list(net.extra.parameters())})
+    assert opt.param_groups[1]["param_names"] == ["extra.weight", "extra.bias"]
+    assert opt.param_groups[1]["algorithms"] == ["muon", "adamw"]
+    other = nn.Linear(3, 3)
+    with pytest.raises(TypeError, match="not in the model it was built from: pass \\(name, tensor\\) pairs"):
+        opt.add_param_group({"params": list(other.parameters())})
+    assert len(opt.param_groups) == 2

@@ -1,0 +1,116 @@
+"""Ranks agree before any data moves: one small all-reduce at every collective entry point.
+
+Every call that ranks make together — constructing the optimizer, ``add_param_group``,
+``load_state_dict``, ``step`` — starts with one ``all_reduce(MAX)`` whose first
+:data:`HEADER_LEN` elements say, on each rank, *which* call this is, a 63-bit digest of the
+configuration the call would run with, and whether the rank already failed locally. Carrying
+``x`` and ``−x`` gives every rank both the maximum and the minimum of each field, so one
+collective tells every rank whether all ranks are in the same call, with the same
+configuration, and error-free. Only when they are not does a second collective (an all-gather
+of bytes) fetch the details for the message — and then every rank raises the same error.
+
+Why the call kind travels too: a rank that calls ``add_param_group`` alone would otherwise
+sit in its agreement while the others enter ``step``'s collective, and hang. Both calls send
+the same number of elements (the header plus one flag per Muon parameter and one more), so
+the mismatched pair still completes and says what went wrong.
+
+Fields are whole numbers below 2²⁴, exact in the float32 the step's flags travel in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dmuon.exchange import CommCounter, all_gather_bytes, all_reduce_max
+
+Fingerprint = Sequence[tuple[str, str]]
+
+ENTRIES = ("construction", "add_param_group", "load_state_dict", "step", "shard_by_owner")
+HEADER_LEN = 9  # entry, −entry, three digest words and their negatives, failing rank + 1
+_WORD_BITS = 21
+
+
+def digest_words(fingerprint: Fingerprint) -> tuple[int, int, int]:
+    """A 63-bit digest of ``fingerprint`` as three 21-bit words (exact in float32)."""
+    data = json.dumps(list(fingerprint)).encode()
+    value = int.from_bytes(hashlib.sha256(data).digest()[:8], "big") >> 1
+    mask = (1 << _WORD_BITS) - 1
+    return tuple((value >> (_WORD_BITS * i)) & mask for i in range(3))  # type: ignore[return-value]
+
+
+def header(entry: str, words: tuple[int, int, int], failed: bool) -> list[float]:
+    code = ENTRIES.index(entry) + 1
+    fields = [code, -code]
+    for w in words:
+        fields += [w, -w]
+    return [float(v) for v in fields] + [float(dist.get_rank() + 1 if failed else 0)]
+
+
+def first_difference(fingerprints: Sequence[Fingerprint], what: str) -> str:
+    """The message for ranks whose fingerprints differ: the first differing entry, in the order
+    rank 0 lists them (then any entry only another rank has), with both values."""
+    tables = [dict(f) for f in fingerprints]
+    for rank, theirs in enumerate(tables[1:], start=1):
+        keys = [k for k, _ in fingerprints[0]] + [k for k, _ in fingerprints[rank] if k not in tables[0]]
+        for key in keys:
+            ours, other = tables[0].get(key, "missing"), theirs.get(key, "missing")
+            if ours != other:
+                return f"Ranks disagree on the {what}: {key} is {ours} on rank 0 but {other} on rank {rank}."
+    return f"Ranks disagree on the {what}, but no difference was found in its description."
+
+
+def agree(
+    entry: str,
+    fingerprint: Fingerprint | None,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    *,
+    payload: Tensor | None = None,
+    words: tuple[int, int, int] | None = None,
+    error: BaseException | None = None,
+    what: str = "optimizer configuration",
+    counter: CommCounter | None = None,
+) -> Tensor | None:
+    """Run the agreement of one collective call; return ``payload`` MAX-reduced over ``group``.
+
+    ``fingerprint`` describes the configuration (ordered (key, value) pairs; only its digest
+    travels unless ranks differ); a caller that has the digest already passes ``words`` and
+    may omit the fingerprint. ``error`` is this rank's own failure, if any: every other rank
+    then raises a ValueError carrying its message (and this rank should re-raise it).
+    Raises the same error on every rank when the ranks are in different calls, hold
+    different configurations, or one of them failed.
+    """
+    if words is None:
+        words = digest_words(fingerprint or ())
+    values = header(entry, words, error is not None)
+    local = torch.tensor(values, dtype=torch.float32, device=device)
+    if payload is not None:
+        local = torch.cat([local, payload.to(device=device, dtype=torch.float32)])
+    reduced = all_reduce_max(local, group, counter)
+    fields = reduced[:HEADER_LEN].tolist()  # the one host read
+    codes = (int(fields[0]), -int(fields[1]))
+    if codes[0] != codes[1]:
+        low, high = sorted(ENTRIES[c - 1] for c in codes)
+        raise RuntimeError(
+            f"Ranks are in different optimizer calls: some called {low}, others {high}. "
+            "Construction, add_param_group, load_state_dict and step are collective: call them on every rank, "
+            "in the same order."
+        )
+    if fields[8] > 0:
+        messages = all_gather_bytes(str(error or "").encode(), group, device)
+        failed = next(r for r, m in enumerate(messages) if m)
+        if error is not None:
+            raise error
+        raise ValueError(f"{messages[failed].decode()} (raised on rank {failed}; every rank stops here)")
+    if any(fields[2 + 2 * i] != -fields[3 + 2 * i] for i in range(3)):
+        if fingerprint is None:
+            raise RuntimeError(f"Ranks disagree on the {what} (its digest differs between ranks).")
+        everyone = all_gather_bytes(json.dumps(list(fingerprint)).encode(), group, device)
+        raise ValueError(first_difference([json.loads(b.decode()) for b in everyone], what))
+    return None if payload is None else reduced[HEADER_LEN:]
