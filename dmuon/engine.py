@@ -348,7 +348,8 @@ class Orthogonalizer:
         gathered, and every rank of the group does the small-side recurrence."""
         for work in works:
             reduce = partial(all_reduce_sum, group=work.group, counter=self.counter)
-            block = work.local_input().reshape(work.count, work.m, -1)
+            # the local width from the shape, not -1: an empty matrix has 0 elements either way
+            block = work.local_input().reshape(work.count, work.m, work.local_shape[-1])
             with _Timed(self.stats, block.device):
                 update = orthogonalize_column_blocks(block, work.config, reduce)
             self.stats.matrices_orthogonalized += work.count

@@ -16,9 +16,14 @@ Two algorithms compute the same composition:
   recurrence amplifies, so Gram NS *restarts* (X ← Q·X, R ← X·Xᵀ, Q ← I) at chosen steps, and
   must not run in bf16.
 
-Every matrix is processed as a 3-D batch ``(B, m, n)`` with batched kernels, so a matrix gives
-bitwise the same result whether it is orthogonalized alone or stacked with others of its shape —
-the property the distributed engine relies on to match the single-process step exactly.
+Every matrix is processed as a 3-D batch ``(B, m, n)`` with batched kernels. Whether a matrix
+then gives bitwise the same result alone (B = 1) as stacked with others of its shape — what the
+distributed engine needs to match the single-process step exactly — is up to the GEMM kernels.
+Measured on CPU (2-core Xeon, AVX-512, MKL 2024.2; tests/test_numerics_edge_cases.py): always in
+bf16; in fp32 and fp64 with one intra-op thread (``torch.get_num_threads() == 1``) — with more,
+MKL may split a lone matrix's products over the threads but runs a stack's one per thread, and
+the results differ by rounding (at 2 threads up to 2e-6 max |Δ| for standard NS, 3.5e-5 for
+Gram NS); in fp16 not even then (up to 3.9e-3). Not measured on CUDA.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ POLAR_EXPRESS_SAFETY = 1.05
 NAMED_COEFFICIENTS = ("polar_express", "keller", "you")
 
 # Gram NS restart steps (0-based: restart *before* that step) measured to keep fp16 Gram NS
-# stable for a named schedule; the best position depends on the schedule (REFERENCE.md §1).
+# stable for a named schedule; the best position depends on the schedule (docs/numerics.md §Gram NS and restarts).
 _MEASURED_GRAM_RESTARTS: dict[tuple[str, int], tuple[int, ...]] = {
     ("polar_express", 5): (2,),
     ("keller", 5): (3,),
@@ -78,8 +83,10 @@ _MEASURED_GRAM_RESTARTS: dict[tuple[str, int], tuple[int, ...]] = {
 }
 
 # `method="auto"` picks Gram NS from this aspect ratio max(m, n)/min(m, n) on, by device type.
-# CUDA: REFERENCE.md §1 (Gram 20–26 % slower when square, 0.67× at α = 4); CPU: measured with
-# `dmuon.newton_schulz` in fp32 on a 2-core AMD EPYC (see README, "Choosing the method").
+# CUDA: the FLOP ratio and GPU timings from outside the project (Gram 20–26 % slower when square,
+# 0.67× at α = 4; docs/numerics.md §Compute dtype and method choice); CPU: measured with
+# `dmuon.newton_schulz` in fp32 on a 2-core AMD EPYC (BENCHMARKS.md, "Newton–Schulz: standard vs
+# Gram on CPU").
 # bf16 always runs standard NS (Gram NS is unstable in bf16).
 GRAM_MIN_ASPECT: dict[str, float] = {"cuda": 2.0, "cpu": 2.0}
 
@@ -203,11 +210,45 @@ def choose_method(
     return method, compute_dtype  # type: ignore[return-value]
 
 
+# Bit layout of the work dtypes: (integer view, exponent field mask, mantissa bits, exponent bias).
+_EXPONENT_FIELD = {
+    torch.float32: (torch.int32, 0x7F800000, 23, 127),
+    torch.float64: (torch.int64, 0x7FF0000000000000, 52, 1023),
+}
+
+
+def _power_of_two_scale(amax: Tensor) -> Tensor:
+    """2^⌊log₂ amax⌋ (amax ≥ 0), at least the dtype's smallest normal number: the exponent bits
+    of ``amax`` alone (inf for inf or NaN). Dividing by it is exact: it only shifts exponents."""
+    int_dtype, mask, _, _ = _EXPONENT_FIELD[amax.dtype]
+    scale = (amax.view(int_dtype) & mask).view(amax.dtype)
+    return scale.clamp_min(torch.finfo(amax.dtype).tiny)
+
+
+def _max_abs(X: Tensor) -> Tensor:
+    """max |X| per matrix of a stack ``(B, m, n)``, shaped (B, 1, 1); 0 for empty matrices."""
+    if X.numel() == 0:
+        return X.new_zeros(X.shape[0], 1, 1)
+    return X.abs().amax(dim=(-2, -1), keepdim=True)
+
+
 def normalize(G: Tensor, eps: float = NORMALIZATION_EPS) -> Tensor:
-    """G / (‖G‖_F + eps) per matrix, in at least fp32; the zero matrix maps to zeros."""
+    """G / (‖G‖_F + eps) per matrix, in at least fp32; the zero matrix maps to zeros.
+
+    Computed as Y / (‖Y‖_F + eps/s) with Y = G/s and s = 2^⌊log₂ max|G|⌋: the squares in the
+    norm cannot overflow (|Y| < 2) for any finite G — G/(‖G‖_F + eps) in fp32 gives exactly 0
+    from |G| ≈ 1.8e19 on, where ‖G‖_F overflows. Dividing by a power of two only shifts
+    exponents, so wherever the plain formula neither overflows nor underflows (every ordinary
+    gradient) the result is bitwise the same as G/(‖G‖_F + eps).
+    """
     work_dtype = torch.promote_types(G.dtype, torch.float32)
     X = G.to(work_dtype)
-    return X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
+    if work_dtype not in _EXPONENT_FIELD or X.ndim < 2:
+        return X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
+    stack = X.reshape(-1, *X.shape[-2:])
+    scale = _power_of_two_scale(_max_abs(stack)).reshape(*X.shape[:-2], 1, 1)
+    Y = X / scale
+    return Y / (torch.linalg.matrix_norm(Y, keepdim=True) + eps / scale)
 
 
 SYMMETRIC_PRODUCTS = ("torch", "triton")
@@ -346,14 +387,43 @@ def gram_all_reduces(config: NSConfig) -> int:
     return 1 + len(config.restarts) if config.method == "gram" else config.steps
 
 
+def _normalize_column_blocks(X: Tensor, eps: float, all_reduce: Callable[[Tensor], Tensor]) -> Tensor:
+    """:func:`normalize` of a stack ``(B, m, n)`` that ranks hold as column blocks ``X``
+    ``(B, m, n_r)`` (fp32 or fp64), with one all-reduce; this rank's columns of the result.
+
+    No rank knows the global max|X| that :func:`normalize` scales by, and ``all_reduce`` only
+    sums; so each rank sums its squares scaled by its own power of two 2^e_r (which cannot
+    overflow) into slot e_r of a vector of every exponent, the ranks sum those vectors, and
+    every rank reads off the same largest exponent E and ‖X‖_F/2^E = √(Σ_e S_e·4^(e−E)). The
+    vector has 256 entries per matrix in fp32 (1 KiB on the wire; 2048 in fp64), a single
+    collective as before.
+    """
+    int_dtype, _, shift, bias = _EXPONENT_FIELD[X.dtype]
+    levels = 2 * bias + 2  # biased exponents 0 … 2·bias+1 (the last one: inf and NaN)
+    local_scale = _power_of_two_scale(_max_abs(X))
+    level = (local_scale.view(int_dtype) >> shift).reshape(-1, 1).long()
+    squares = (X / local_scale).square().sum(dim=(-2, -1)).reshape(-1, 1)
+    sums = all_reduce(X.new_zeros(X.shape[0], levels).scatter_(1, level, squares))
+    exponents = torch.arange(levels, device=X.device)
+    top = torch.where(sums != 0, exponents, 0).amax(dim=1, keepdim=True).clamp_min(1)  # E, biased
+    # 4^(e − E) for e ≤ E as bits (exact powers of two; 0 below the smallest normal, where the
+    # terms are negligible, and above E, where there are none)
+    relative = (2 * (exponents - top) + bias).clamp(0, bias)
+    weights = (relative << shift).to(int_dtype).view(X.dtype)
+    scaled_norm = (sums * weights).sum(dim=1).sqrt().reshape(-1, 1, 1)
+    scale = (top << shift).to(int_dtype).view(X.dtype).reshape(-1, 1, 1)
+    return (X / scale) / (scaled_norm + eps / scale)
+
+
 def orthogonalize_column_blocks(X_local: Tensor, config: NSConfig, all_reduce: Callable[[Tensor], Tensor]) -> Tensor:
     """Distributed Newton–Schulz of a stack X ``(B, m, n)`` that ranks hold as column blocks
     ``X_local`` ``(B, m, n_r)``; returns this rank's columns of the result.
 
     Every product NS needs of the long dimension is a Gram matrix X·Xᵀ = Σ_r X_r·X_rᵀ, and every
-    update is (m×m)·X_r: so the ranks all-reduce the m×m partial Gram matrices (and the squared
-    norms), run the m×m recurrence identically, and apply it to their own columns. Gram NS needs
-    the all-reduce only at the start and at restarts; standard NS at every step. A row-split X
+    update is (m×m)·X_r: so the ranks all-reduce the m×m partial Gram matrices (and, once, the
+    squared norms: :func:`_normalize_column_blocks`), run the m×m recurrence identically, and
+    apply it to their own columns. Gram NS needs the all-reduce only at the start and at
+    restarts; standard NS at every step. A row-split X
     goes through as its transpose (``orthogonalize_column_blocks(X_r.mT, ...).mT``), with
     Gram side n. ``all_reduce(t)`` returns the sum of ``t`` over the ranks (fp32 on the wire:
     partial sums of low-precision products lose less that way). Equal to :func:`orthogonalize`
@@ -361,9 +431,8 @@ def orthogonalize_column_blocks(X_local: Tensor, config: NSConfig, all_reduce: C
     """
     if X_local.ndim != 3:
         raise ValueError(f"orthogonalize_column_blocks takes a stack (B, m, n_local), got shape {tuple(X_local.shape)}.")
-    X = X_local.to(torch.promote_types(X_local.dtype, torch.float32))
-    norms = all_reduce(X.square().sum(dim=(-2, -1), keepdim=True)).sqrt()
-    X = (X / (norms + config.eps)).to(config.dtype)
+    X = _normalize_column_blocks(X_local.to(torch.promote_types(X_local.dtype, torch.float32)), config.eps,
+                                 all_reduce).to(config.dtype)
 
     local_gram, symmetric = _products(config)
 
@@ -417,9 +486,12 @@ def newton_schulz_flops(
     orientation; Gram 2·m²n per pass over the long side (initial X·Xᵀ, final Q·X, two per
     restart) plus 2m³ per m×m product. ``gram_side``: the side the m×m products are on, when
     the caller fixes it (:func:`orthogonalize_column_blocks` on a block of n columns);
-    default the smaller one.
+    default the smaller one. An empty Gram side (``gram_side`` 0) costs 0.
     """
-    m, n = (min(m, n), max(m, n)) if gram_side is None else (gram_side, m * n // gram_side)
+    if gram_side is None:
+        m, n = min(m, n), max(m, n)
+    else:  # an empty matrix (gram_side 0) costs nothing
+        m, n = gram_side, m * n // gram_side if gram_side else 0
     if method == "standard":
         return steps * (4 * m * m * n + 2 * m**3)
     long_passes = 2 + 2 * len(restarts)

@@ -42,7 +42,7 @@ DEFAULT_BUCKET_BYTES = 8 * 2**20
 # ~800 TFLOP/s against ~50–450 GB/s). Only the relative cost of owners matters here.
 DEFAULT_FLOPS_PER_BYTE = 100.0
 # Bytes that cross HSDP replica groups usually cross nodes: InfiniBand NDR ≈ 50 GB/s per GPU
-# against NVLink ≈ 450 GB/s per direction (REFERENCE.md §5), so they cost 9× more.
+# against NVLink ≈ 450 GB/s per direction (docs/hardware.md), so they cost 9× more.
 CROSS_REPLICA_COST_FACTOR = 9.0
 
 
@@ -317,9 +317,10 @@ def gang_member_cost(unit: Unit, config: NSConfig, k: int, flops_per_byte: float
     """Time-equivalent (in FLOPs) each member of a gang of ``k`` pays for orthogonalizing
     ``unit`` together (:func:`choose_gangs`): its NS products (:func:`gang_member_flops`), the
     all-reduces of the short-side Gram matrix (fp32), and receiving its slice and sending its
-    update back. None where the long side has fewer rows or columns than members."""
+    update back. None where the long side has fewer rows or columns than members, or the
+    matrix is empty (nothing to split)."""
     short = min(unit.m, unit.n)
-    if k > max(unit.m, unit.n):
+    if k > max(unit.m, unit.n) or short == 0:
         return None
     gram_bytes = 4 * unit.count * short**2
     return (distributed_cost(gang_member_flops(unit, config, k), gram_bytes, gram_all_reduces(config), k,

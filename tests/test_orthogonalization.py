@@ -1,4 +1,4 @@
-"""Newton–Schulz numerics: every tolerance of REFERENCE.md §1 "Test tolerances"."""
+"""Newton–Schulz numerics: every tolerance of docs/numerics.md §Test tolerances."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def test_polar_express_is_scaled_in_code():
 
 
 @pytest.mark.parametrize("name,low,high", [
-    ("polar_express", 0.729, 1.124),  # REFERENCE.md §1, exact arithmetic
+    ("polar_express", 0.729, 1.124),  # docs/numerics.md §Coefficients, exact arithmetic
     ("keller", 0.47, 1.20),  # 0.68 from x ≈ 0.01 on; 5 Keller steps lift 1e-3 only to 0.47
 ])
 def test_composed_map_range(name, low, high):
@@ -212,7 +212,7 @@ def test_zero_matrix_maps_to_zeros(method):
 
 
 # In half precision the rounding noise of a rank-1 input is itself orthogonalized (σ₂ ≈ 0.07
-# in fp16, 0.5 in bf16, REFERENCE.md §1), and in fp16 Gram NS σ₁ moves by up to ±0.02 with it.
+# in fp16, 0.5 in bf16, docs/numerics.md §Test tolerances), and in fp16 Gram NS σ₁ moves by up to ±0.02 with it.
 @pytest.mark.parametrize("method,dtype,tol", [
     ("standard", BF16, 0.01), ("standard", F16, 0.01), ("standard", F32, 0.01),
     ("gram", F32, 0.01), ("gram", F16, 0.02),
