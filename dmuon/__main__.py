@@ -1,5 +1,6 @@
-"""``python -m dmuon``: the same command line as the ``dmuon`` console script."""
+"""``python -m dmuon``: the same command line as the ``dmuon`` console script
+(:mod:`dmuon.tools.cli`)."""
 
-from dmuon.cli import main
+from dmuon.tools.cli import main
 
 raise SystemExit(main())

@@ -778,7 +778,7 @@ class Muon(torch.optim.Optimizer):
         device = self._collective_device()
         seconds: dict[tuple[int, int], dict[str, float]] = {}
         if triton_usable(device):
-            from dmuon.throughput import symmetric_products_seconds  # measuring sits above the optimizer
+            from dmuon.timing import symmetric_products_seconds  # imported only when measuring
 
             for _, p, group, view in self._muon_params():
                 _, m, n = matrix_shape(p.shape, view)

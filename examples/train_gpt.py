@@ -5,7 +5,7 @@
     python examples/plot_losses.py muon.jsonl adamw.jsonl --out losses.png
 
 Without torchrun it runs as a single process. CPU ranks talk over gloo, CUDA ranks over NCCL.
-Data: a seeded synthetic Markov chain (``dmuon.models.SyntheticTokens``), or ``--data FILE``, any
+Data: a seeded synthetic Markov chain (``dmuon.tools.models.SyntheticTokens``), or ``--data FILE``, any
 local file read as bytes (vocabulary 256), so nothing is downloaded. Every batch is a pure
 function of (seed, step): the step number is the whole data position a checkpoint must keep.
 
@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.optim.lr_scheduler import LambdaLR
 
 import dmuon
-from dmuon.models import PRESETS, Llama, LlamaConfig, SyntheticTokens, get_config
+from dmuon.tools.models import PRESETS, Llama, LlamaConfig, SyntheticTokens, get_config
 
 PARALLEL = ("ddp", "fsdp2", "hsdp", "owner", "none")
 BETAS = (0.9, 0.95)  # the same for AdamW and for dmuon's AdamW part, so the comparison is fair

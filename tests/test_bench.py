@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from dmuon.bench import BenchResult, format_table
-from dmuon.cli import main
-from dmuon.models import get_config, matrix_shapes
+from dmuon.tools.bench import BenchResult, format_table
+from dmuon.tools.cli import main
+from dmuon.tools.models import get_config, matrix_shapes
 
 
 def test_table_ratios():
@@ -40,7 +40,7 @@ def test_tiny_run_writes_json(tmp_path):
 def test_throughput_tables_run_on_cpu():
     import torch
 
-    from dmuon.throughput import ns_throughput, rank_share, symmetric_products_timing
+    from dmuon.tools.throughput import ns_throughput, rank_share, symmetric_products_timing
 
     cpu = torch.device("cpu")
     rows = ns_throughput(cpu, [(16, 64)], batch=2, peak=1e9, repeats=1)
@@ -50,3 +50,20 @@ def test_throughput_tables_run_on_cpu():
     assert share.matrices == 4 and share.ms > 0 and share.lower_bound_ms > 0  # 14 matrices over 4 ranks
     assert share.adamw_ms > 0
     assert symmetric_products_timing(cpu) == []  # no Triton on a CPU without its interpreter
+
+
+def test_ns_accuracy_check_runs_on_cpu(capsys):
+    """The GPU check's correctness table (benchmarks/gpu_check.sh), on CPU in fp32 on small shapes."""
+    import torch
+
+    from dmuon.tools.ns_accuracy import accuracy_table
+    from dmuon.tools.ns_accuracy import main as ns_accuracy
+
+    rows = accuracy_table(torch.device("cpu"), torch.float32, shapes=[(32, 96), (96, 32)])
+    assert [(shape, kind, method) for shape, kind, method, _ in rows][:4] == [
+        ((32, 96), "gaussian", "standard"), ((32, 96), "gaussian", "gram"),
+        ((32, 96), "gradient-like", "standard"), ((32, 96), "gradient-like", "gram")]
+    assert len(rows) == 8 and all(err < 1e-3 for *_, err in rows)  # fp32 against the exact polynomial
+    assert ns_accuracy(["--device", "cpu", "--dtype", "float32", "--shapes", "32x96,48x48"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("PASS")
+    assert ns_accuracy(["--device", "cpu", "--dtype", "float32", "--shapes", "32x96", "--bound", "0"]) == 1

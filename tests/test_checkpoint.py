@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import dmuon
 from dmuon.layout import owned_by
-from dmuon.models import Llama, SyntheticTokens, get_config
+from dmuon.tools.models import Llama, SyntheticTokens, get_config
 from tests.distributed import run_on_ranks
 
 HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, ns_method="standard", ns_dtype=torch.float32)

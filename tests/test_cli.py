@@ -1,7 +1,7 @@
 """The ``dmuon`` command line answers bad input with argparse's usage and one error line (exit
 status 2) before it spawns a rank, trains or measures anything; ``--help`` shows every default.
 
-Every test runs ``dmuon.cli.main`` in-process with the expensive steps replaced by stubs that
+Every test runs ``dmuon.tools.cli.main`` in-process with the expensive steps replaced by stubs that
 fail the test if reached: spawning ranks (``bench``), training (``demo``), measuring this CPU
 (``plan --hardware cpu``). So a check that comes too late fails fast instead of hanging
 (``bench --world-size 0`` used to wait forever for results from no ranks).
@@ -15,12 +15,12 @@ import json
 import pytest
 import torch
 
-import dmuon.bench
-import dmuon.demo
-import dmuon.hardware
-import dmuon.plan_cli
-from dmuon.cli import main
-from dmuon.hardware import PROFILES, OneRankSeconds
+import dmuon.tools.bench
+import dmuon.tools.demo
+import dmuon.tools.hardware
+import dmuon.tools.plan_cli
+from dmuon.tools.cli import main
+from dmuon.tools.hardware import PROFILES, OneRankSeconds
 
 
 def _forbidden(what: str):
@@ -32,10 +32,10 @@ def _forbidden(what: str):
 
 @pytest.fixture(autouse=True)
 def no_expensive_work(monkeypatch):
-    monkeypatch.setattr(dmuon.bench, "run_config", _forbidden("spawn ranks"))
-    monkeypatch.setattr(dmuon.demo, "train", _forbidden("train"))
-    monkeypatch.setattr(dmuon.hardware, "measure_cpu_profile", _forbidden("measure the CPU profile"))
-    monkeypatch.setattr(dmuon.plan_cli, "measure_one_rank_seconds", _forbidden("time a training step"))
+    monkeypatch.setattr(dmuon.tools.bench, "run_config", _forbidden("spawn ranks"))
+    monkeypatch.setattr(dmuon.tools.demo, "train", _forbidden("train"))
+    monkeypatch.setattr(dmuon.tools.hardware, "measure_cpu_profile", _forbidden("measure the CPU profile"))
+    monkeypatch.setattr(dmuon.tools.plan_cli, "measure_one_rank_seconds", _forbidden("time a training step"))
 
 
 def _rejects(argv: list[str], capsys) -> str:
@@ -142,9 +142,9 @@ def _fake_cpu(monkeypatch, forward_backward: float) -> list[tuple[int, int]]:
         timed.append((batch, seq_len))
         return OneRankSeconds(forward_backward=forward_backward, optimizer_step=1e-2, newton_schulz=5e-3)
 
-    monkeypatch.setattr(dmuon.plan_cli, "get_profile", lambda name, threads=1: profile if name == "cpu"
+    monkeypatch.setattr(dmuon.tools.plan_cli, "get_profile", lambda name, threads=1: profile if name == "cpu"
                         else PROFILES[name])
-    monkeypatch.setattr(dmuon.plan_cli, "measure_one_rank_seconds", one_rank)
+    monkeypatch.setattr(dmuon.tools.plan_cli, "measure_one_rank_seconds", one_rank)
     return timed
 
 

@@ -10,17 +10,17 @@ import json
 import pytest
 import torch
 
-from dmuon.cli import main
-from dmuon.costmodel import (
+from dmuon.orthogonalization import newton_schulz_flops, resolve_config
+from dmuon.tools.cli import main
+from dmuon.tools.costmodel import (
     Workload, build_plan, config_from_hf, data_parallel_collectives, forward_backward_flops,
     load_model_config, measured_mfu, memory_seconds, muon_params, normalize_bytes, ns_seconds,
 )
-from dmuon.hardware import (
+from dmuon.tools.hardware import (
     PROFILES, OtherJobsCpu, get_profile, measure_cpu_profile, measure_one_rank_seconds,
 )
-from dmuon.models import get_config, matrix_shapes, param_count
-from dmuon.orthogonalization import newton_schulz_flops, resolve_config
-from dmuon.simulate import (
+from dmuon.tools.models import get_config, matrix_shapes, param_count
+from dmuon.tools.simulate import (
     bucket_costs, measured_elementwise_efficiency, predict, simulate_optimizer_step, total_traffic,
 )
 

@@ -1,5 +1,5 @@
 """``dmuon.Muon(cuda_graphs=True)``: Newton–Schulz replayed from CUDA graphs. The capture needs a
-GPU (bench/gpu_check.sh checks it there); everything around it runs here through the CPU twin
+GPU (benchmarks/gpu_check.sh checks it there); everything around it runs here through the CPU twin
 (``dmuon.cuda_graphs.eager_replay``), which keeps the same static buffers and bookkeeping."""
 
 from __future__ import annotations

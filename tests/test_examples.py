@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import dmuon
 from dmuon.layout import owned_by
-from dmuon.models import Llama, SyntheticTokens, get_config
+from dmuon.tools.models import Llama, SyntheticTokens, get_config
 from tests.distributed import run_on_ranks
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -60,8 +60,8 @@ def test_when_splitting_pays_at_scale(model, world, split):
     70B at 512 ranks: each of its 240 largest matrices fits one rank, and a gang of 2 would
     save only their long-side products (Gram NS repeats the 8192² recurrence on every member)
     while the 8192×8192 ones would still follow: no split lowers the makespan."""
-    from dmuon.costmodel import Workload, build_plan, load_model_config
-    from dmuon.hardware import PROFILES
+    from dmuon.tools.costmodel import Workload, build_plan, load_model_config
+    from dmuon.tools.hardware import PROFILES
 
     plan, configs = build_plan(Workload(load_model_config(model), world, "fsdp2", PROFILES["h100"]))
     units = list(plan.units)

@@ -22,7 +22,7 @@ from torch import nn
 
 import dmuon
 from dmuon.integrations import hf_optimizer_cls_and_kwargs, muon_for_model
-from dmuon.models import Llama, SyntheticTokens, get_config
+from dmuon.tools.models import Llama, SyntheticTokens, get_config
 from tests.distributed import run_on_ranks
 
 # No network, no telemetry, no tokenizer threads: the tests build everything in code.

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmuon import cli, demo
-from dmuon.models import PRESETS, Llama, SyntheticTokens, get_config, param_count
+from dmuon.tools import cli, demo
+from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config, param_count
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon.layout import owned_by
-from dmuon.models import Llama, SyntheticTokens, get_config
+from dmuon.tools.models import Llama, SyntheticTokens, get_config
 from tests.distributed import run_on_ranks
 from tests.test_distributed_step import error_of
 from tests.test_training_parity import GLOBAL_BATCH, HPARAMS, SEQ_LEN, STEPS, train as train_reference

@@ -1,7 +1,7 @@
-"""The peer Muon implementations of ``dmuon.peers``: a few real steps on 2 gloo ranks each.
+"""The peer Muon implementations of ``dmuon.tools.peers``: a few real steps on 2 gloo ranks each.
 
 None of the peers is a dependency of dmuon: each test is skipped, naming the missing module,
-when its package is not installed (see dmuon/peers.py for the install line). When it is, the
+when its package is not installed (see dmuon/tools/peers.py for the install line). When it is, the
 peer trains the tiny Llama under DDP or FSDP2 beside ``torch.optim.Muon`` (``demo.torch_muon``)
 from the same weights on the same batch, and must (a) lower the loss, (b) leave every rank with
 the same full parameters, and (c) move the hidden matrices the way torch's Muon does, within
@@ -26,9 +26,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from dmuon import demo
-from dmuon.models import Llama, SyntheticTokens, get_config
-from dmuon.peers import PEERS, _rms_matched_groups, available_peers, unavailable_peers
+from dmuon.tools import demo
+from dmuon.tools.models import Llama, SyntheticTokens, get_config
+from dmuon.tools.peers import PEERS, _rms_matched_groups, available_peers, unavailable_peers
 from tests.distributed import run_on_ranks
 
 LR, WEIGHT_DECAY, STEPS = 3e-3, 0.1, 3
@@ -45,7 +45,7 @@ PEER_MODES = [pytest.param(name, mode, id=f"{mode}-{name}") for name, spec in PE
 def require(name: str) -> None:
     """Skip unless every module the peer needs imports."""
     spec = PEERS[name]
-    install = f"pip install --no-deps {spec.package}=={spec.version} (see dmuon/peers.py)"
+    install = f"pip install --no-deps {spec.package}=={spec.version} (see dmuon/tools/peers.py)"
     for entry in spec.imports:
         module, _, attribute = entry.partition(":")
         imported = pytest.importorskip(module, reason=f"peer {name!r} needs {module!r}: {install}")

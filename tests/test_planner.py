@@ -1,4 +1,4 @@
-"""The planner is pure (TESTING.md row 17): deterministic, every matrix owned once, stable under
+"""The planner is pure (docs/testing.md row 17): deterministic, every matrix owned once, stable under
 parameter reordering, balanced within the LPT bound, fast up to 4096 ranks; plus its byte
 accounting against the closed-form FSDP/DDP formulas."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from dmuon.layout import Layout, chunk_sizes
-from dmuon.models import get_config, matrix_shapes
+from dmuon.tools.models import get_config, matrix_shapes
 from dmuon.orthogonalization import newton_schulz_flops
 from dmuon.planner import Unit, make_plan, owner_cost, split_replicas_is_cheaper
 
@@ -146,3 +146,28 @@ def test_buckets_keep_every_rank_busy_even_for_huge_matrices():
             owned_before = [u for u in bucket if plan.owners[u] == plan.owners[first]]
             assert owned_before, "a bucket closed although the next owner had no work in it"
             assert sum(plan.units[u].total_bytes for u in owned_before) + plan.units[first].total_bytes > budget
+
+
+def test_empty_matrices_are_planned_at_no_cost():
+    """0×n, n×0 and 0×0 Muon matrices (a ZeroDivisionError in gang_member_flops once): owned like
+    any other matrix, no FLOPs, never split over a gang."""
+    import torch
+
+    from dmuon.orthogonalization import resolve_config
+    from dmuon.planner import choose_gangs, gang_costs, gang_member_cost, gang_member_flops
+
+    shapes = [(0, 8), (8, 0), (0, 0), (16, 32)]
+    units = [Unit(f"w{i}", Layout((m, n), 1, 2, (0, 1)), 1, m, n, 4,
+                  newton_schulz_flops(m, n, steps=5, method="standard")) for i, (m, n) in enumerate(shapes)]
+    configs = [resolve_config((max(m, 1), max(n, 1)), "cpu", method=method, dtype=torch.float32)
+               for m, n in shapes for method in ["gram" if m * 2 <= n else "standard"]]
+    for unit, config in zip(units[:3], configs):
+        for k in (2, 3):
+            assert gang_member_flops(unit, config, k) == 0
+            assert gang_member_cost(unit, config, k) is None
+        for method in ("standard", "gram"):  # column blocks with an empty Gram side do nothing
+            assert newton_schulz_flops(unit.m, unit.n, steps=5, method=method, gram_side=0) == 0
+    plan = make_plan(units, 2)
+    assert sorted(i for b in plan.buckets for i in b) == [0, 1, 2, 3]
+    assert sum(plan.flops(p) for p in range(2)) == units[3].flops
+    assert not set(choose_gangs(units, gang_costs(units, configs), 2)) & {0, 1, 2}

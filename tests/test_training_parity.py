@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
-from dmuon.models import Llama, SyntheticTokens, get_config
+from dmuon.tools.models import Llama, SyntheticTokens, get_config
 from tests.distributed import run_on_ranks
 
 STEPS, GLOBAL_BATCH, SEQ_LEN = 5, 12, 16

@@ -35,7 +35,7 @@ def interpreter_checks() -> None:
         got = symmetric_baddbmm(RZ, W, RZ, beta=2.0)
         torch.testing.assert_close(got, torch.baddbmm(RZ, W, RZ, beta=2.0), rtol=1e-5, atol=1e-4)
         assert torch.equal(got, got.mT)  # mirrored: exactly symmetric
-    from dmuon.throughput import symmetric_products_timing  # the GPU check's table, runnable here
+    from dmuon.tools.throughput import symmetric_products_timing  # the GPU check's table, runnable here
 
     [row] = symmetric_products_timing(torch.device("cpu"), sides=(16,), aspect=2, repeats=1)
     assert row.shape == (16, 32) and row.torch_ms > 0 and row.triton_ms > 0

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import dmuon
-from dmuon.cli import UsageError, name_list, non_negative_float, output_path, positive_float, positive_int
-from dmuon.models import PRESETS, Llama, SyntheticTokens, get_config
+from dmuon.tools.cli import UsageError, name_list, non_negative_float, output_path, positive_float, positive_int
+from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config
 
 OptimizerFactory = Callable[[Llama, float, float], list[torch.optim.Optimizer]]
 """Builds the optimizer(s) of one configuration from ``(model, lr, weight_decay)``."""

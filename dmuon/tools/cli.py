@@ -20,9 +20,9 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 
 SUBCOMMANDS = {
-    "demo": ("dmuon.demo", "compare AdamW, torch.optim.Muon and dmuon.Muon on a small model (CPU)"),
-    "bench": ("dmuon.bench", "DDP and FSDP2 x AdamW, vanilla Muon and dmuon.Muon on gloo ranks it spawns"),
-    "plan": ("dmuon.plan_cli", "dmuon's plan and predicted step time at N ranks"),
+    "demo": ("dmuon.tools.demo", "compare AdamW, torch.optim.Muon and dmuon.Muon on a small model (CPU)"),
+    "bench": ("dmuon.tools.bench", "DDP and FSDP2 x AdamW, vanilla Muon and dmuon.Muon on gloo ranks it spawns"),
+    "plan": ("dmuon.tools.plan_cli", "dmuon's plan and predicted step time at N ranks"),
 }
 
 

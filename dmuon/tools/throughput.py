@@ -9,37 +9,24 @@
   ``torch.optim.AdamW`` (fused) on the same rank's shard of the parameters;
 * :func:`symmetric_products_timing` — Gram NS with torch's products against the Triton
   one-triangle kernel, per matrix size (where Triton runs).
+
+The timing itself (:func:`dmuon.timing.best_seconds`, :func:`dmuon.timing.symmetric_products_seconds`)
+is the product's, which ``symmetric_products="auto"`` uses at construction.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from functools import partial
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from dmuon.layout import Layout
-from dmuon.models import get_config, matrix_shapes, param_count
-from dmuon.orthogonalization import SYMMETRIC_PRODUCTS, NSConfig, newton_schulz_flops, orthogonalize, resolve_config
+from dmuon.orthogonalization import newton_schulz_flops, orthogonalize, resolve_config
 from dmuon.planner import Unit, make_plan
+from dmuon.timing import best_seconds, symmetric_products_seconds
+from dmuon.tools.models import get_config, matrix_shapes, param_count
 from dmuon.triton_kernels import triton_usable
-
-
-def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Best-of-``repeats`` seconds of ``fn`` after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def matmul_peak(device: torch.device, dtype: torch.dtype, size: int = 4096, repeats: int = 5) -> float:
@@ -155,16 +142,6 @@ def symmetric_products_timing(device: torch.device, sides: Sequence[int] = (512,
         seconds = symmetric_products_seconds(config, (batch, side, aspect * side), device, repeats)
         rows.append(SymmetricTiming((side, aspect * side), batch, seconds["torch"] * 1e3, seconds["triton"] * 1e3))
     return rows
-
-
-def symmetric_products_seconds(config: NSConfig, shape: tuple[int, ...], device: torch.device,
-                               repeats: int = 3) -> dict[str, float]:
-    """Seconds of :func:`orthogonalize` on a random stack of ``shape`` with each symmetric-product
-    kernel (``config.symmetric`` ignored); Triton must be usable on ``device``. Its own random
-    generator: measuring leaves the caller's random stream as it was."""
-    G = torch.randn(shape, device=device, generator=torch.Generator(device).manual_seed(0))
-    configs = {symmetric: replace(config, symmetric=symmetric) for symmetric in SYMMETRIC_PRODUCTS}
-    return {symmetric: best_seconds(partial(orthogonalize, G, c), device, repeats) for symmetric, c in configs.items()}
 
 
 def gpu_report(device: torch.device, models: Sequence[str] = ("llama-3.1-8b", "llama-3.1-70b"),

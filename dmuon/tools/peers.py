@@ -1,7 +1,7 @@
 """Other distributed Muon implementations from PyPI, as optimizer factories for ``dmuon bench``.
 
 Each entry of ``PEERS`` wraps one third-party package in a factory with the signature of
-``dmuon.demo.CONFIGS`` (``factory(model, lr, weight_decay) -> list[Optimizer]``): the peer's
+``dmuon.tools.demo.CONFIGS`` (``factory(model, lr, weight_decay) -> list[Optimizer]``): the peer's
 Muon on ``demo.hidden_matrices(model)`` and ``torch.optim.AdamW`` on everything else, exactly
 as in the ``torch-muon`` configuration, so that only the Muon part differs between columns.
 
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dmuon.demo import OptimizerFactory, hidden_matrices
-from dmuon.models import Llama
+from dmuon.tools.demo import OptimizerFactory, hidden_matrices
+from dmuon.tools.models import Llama
 
 __all__ = ["PeerSpec", "PEERS", "available_peers", "unavailable_peers"]
 

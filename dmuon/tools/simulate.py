@@ -21,7 +21,7 @@ Before the loop: the non-finite check, the momentum of every local Muon element,
 other parameters, and the one all-reduce that agrees on skipped steps.
 
 The simulation is deterministic, O(buckets · ranks), and is the optimizer term of
-:func:`predict`, which adds forward+backward and the baselines from :mod:`dmuon.costmodel`.
+:func:`predict`, which adds forward+backward and the baselines from :mod:`dmuon.tools.costmodel`.
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dmuon.costmodel import (
+from dmuon.orthogonalization import NSConfig, gram_all_reduces
+from dmuon.planner import Plan, Unit, gang_member_flops, gang_slice_elements
+from dmuon.tools.costmodel import (
     APPLY_BYTES, MOMENTUM_BYTES, NESTEROV_BYTES, SplitUnit, Workload, adamw_params, adamw_seconds,
     adamw_step_seconds, build_plan, check_seconds, compute_seconds, data_parallel_copy_seconds,
     data_parallel_seconds, exposed_step_seconds, forward_backward_seconds, link, local_params, memory_seconds,
     normalize_bytes, ns_prep_bytes, ns_seconds, pack_bytes, split_plan, vanilla_muon_step_seconds,
 )
-from dmuon.orthogonalization import NSConfig, gram_all_reduces
-from dmuon.planner import Plan, Unit, gang_member_flops, gang_slice_elements
 
 
 @dataclass
@@ -246,7 +246,7 @@ def simulate_optimizer_step(plan: Plan, configs: tuple[NSConfig, ...], workload:
 
 def measured_elementwise_efficiency(workload: Workload, optimizer_step: float, newton_schulz: float) -> float:
     """The share of the profile's element-wise rates a real optimizer step reaches, from one rank
-    alone stepping the workload's model (:func:`dmuon.hardware.measure_one_rank_seconds`): the
+    alone stepping the workload's model (:func:`dmuon.tools.hardware.measure_one_rank_seconds`): the
     step's element-wise phases as simulated at full rates, over what the measured step took
     beyond its Newton–Schulz calls (whose normalization and casts are therefore left out of
     the simulated side too). At most 1."""

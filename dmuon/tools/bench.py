@@ -14,7 +14,7 @@ Every configuration trains the same model from the same weights on the same batc
     ownerz3-dmuon    the same, re-broadcasting the matrices in backward (less memory)
 
 With ``--peers``, every other distributed Muon implementation that is installed (``pip install
-'dmuon[peers]'``; see :mod:`dmuon.peers`) joins as ``<ddp|fsdp>-<package>`` for the modes it
+'dmuon[peers]'``; see :mod:`dmuon.tools.peers`) joins as ``<ddp|fsdp>-<package>`` for the modes it
 supports; the ones that are not installed are listed with the reason.
 
 Each configuration runs in freshly spawned ranks, so that its peak memory is its own: "peak
@@ -46,13 +46,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from dmuon.cli import (
+from dmuon.owner import OwnerSharding, shard_by_owner
+from dmuon.tools.cli import (
     UsageError, name_list, non_negative_float, non_negative_int, output_path, positive_float, positive_int,
 )
-from dmuon.demo import CONFIGS as OPTIMIZERS
-from dmuon.demo import report_progress
-from dmuon.models import PRESETS, Llama, SyntheticTokens, get_config
-from dmuon.owner import OwnerSharding, shard_by_owner
+from dmuon.tools.demo import CONFIGS as OPTIMIZERS
+from dmuon.tools.demo import report_progress
+from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config
 
 CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon",
            "ownerz2-dmuon", "ownerz3-dmuon")
@@ -127,14 +127,14 @@ def _wrap(model: Llama, parallel: str, world: int, device: torch.device) -> tupl
 def _factory(optimizer: str):
     if optimizer in OPTIMIZERS:
         return OPTIMIZERS[optimizer]
-    from dmuon.peers import PEERS
+    from dmuon.tools.peers import PEERS
 
     return PEERS[optimizer].factory
 
 
 def peer_configs() -> tuple[list[str], dict[str, str]]:
     """Bench configurations of the installed peers, and why the others are missing."""
-    from dmuon.peers import PEERS, available_peers, unavailable_peers
+    from dmuon.tools.peers import PEERS, available_peers, unavailable_peers
 
     available = available_peers()
     configs = [f"{mode}-{name}" for mode in ("ddp", "fsdp") for name in PEERS
@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
         results.append(run_config(name, args))
     print(format_table(results))
     if args.device == "cuda":
-        from dmuon.throughput import gpu_report
+        from dmuon.tools.throughput import gpu_report
 
         print(gpu_report(torch.device("cuda", 0)))
     if args.json:

@@ -1,5 +1,5 @@
 """FLOPs, bytes and seconds of each phase of a data-parallel training step. Pure: no processes,
-no measurements (those live in :mod:`dmuon.hardware`); the schedule is :mod:`dmuon.simulate`.
+no measurements (those live in :mod:`dmuon.tools.hardware`); the schedule is :mod:`dmuon.tools.simulate`.
 
 A step is: forward+backward (with the data-parallel collectives of FSDP2 or DDP), then the
 optimizer. The optimizer phases are priced with the *real* dmuon plan — the same
@@ -44,14 +44,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dmuon.hardware import RING_BYTES, HardwareProfile
 from dmuon.layout import Layout
-from dmuon.models import PRESETS, LlamaConfig, get_config, matrix_shapes, param_count
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops, resolve_config
 from dmuon.planner import (
     DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, choose_gangs, gang_costs, make_plan,
     plan_ownership,
 )
+from dmuon.tools.hardware import RING_BYTES, HardwareProfile
+from dmuon.tools.models import PRESETS, LlamaConfig, get_config, matrix_shapes, param_count
 
 MODES = ("fsdp2", "ddp", "owner")
 DEFAULT_TOKENS_PER_RANK = 8192
@@ -123,7 +123,7 @@ def config_from_hf(raw: Mapping[str, object]) -> LlamaConfig:
 
 
 def load_model_config(spec: str, layers: int | None = None) -> LlamaConfig:
-    """A preset name (:data:`dmuon.models.PRESETS`) or a path to a ``config.json``; ``layers``
+    """A preset name (:data:`dmuon.tools.models.PRESETS`) or a path to a ``config.json``; ``layers``
     overrides the depth."""
     overrides = {"n_layers": layers} if layers else {}
     if spec in PRESETS:
@@ -166,7 +166,7 @@ class Workload:
     mfu: float | None = None  # None: the profile's
     # share of the profile's element-wise rates (memory bandwidth, check rate) the optimizer's
     # element-wise phases reach in a real step: 1 on GPUs (memory-bound, an assumption); on a
-    # CPU measured from one rank's step (:func:`dmuon.simulate.measured_elementwise_efficiency`)
+    # CPU measured from one rank's step (:func:`dmuon.tools.simulate.measured_elementwise_efficiency`)
     elementwise_efficiency: float = 1.0
     wire_itemsize: int = 4  # dmuon's default comm dtype: the (fp32) gradient's
     split: bool = True  # whether the planner may split matrices over gangs of ranks (dmuon's default)
@@ -313,7 +313,7 @@ def forward_backward_seconds(workload: Workload) -> float:
 
 def data_parallel_collectives(workload: Workload, mode: str | None = None) -> list[tuple[str, float, int]]:
     """(kind, bytes per rank, calls) of the forward+backward's own collectives in ``mode``
-    (default: the workload's); kinds and their ring bytes as in :data:`dmuon.hardware.RING_BYTES`.
+    (default: the workload's); kinds and their ring bytes as in :data:`dmuon.tools.hardware.RING_BYTES`.
 
     FSDP2: all-gathers of the parameters in the training dtype (forward, and again in backward)
     and a reduce-scatter of fp32 gradients (torchtitan's default mixed precision), one of each

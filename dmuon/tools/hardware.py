@@ -13,7 +13,7 @@ What a profile claims, and what it leaves out:
   element-wise kernels (GPUs).
 * Links, per rank and per direction: ``intra_*`` between ranks of one node, ``inter_*`` between
   nodes of ``ranks_per_node`` ranks. A collective costs one latency plus its busiest rank's
-  bytes over the link (:mod:`dmuon.simulate`).
+  bytes over the link (:mod:`dmuon.tools.simulate`).
 * ``cores`` (CPU only): the ranks of a node time-share its cores with each other and with
   ``busy_cores`` worth of other jobs, so each rank thread gets ``(cores − busy)/(ranks·threads)``
   of a core (at most one), at ``parallel_efficiency`` of its alone-speed once several run at
@@ -41,7 +41,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from dmuon.models import Llama, LlamaConfig, SyntheticTokens
+from dmuon.tools.models import Llama, LlamaConfig, SyntheticTokens
 
 GB = 1e9
 TERA = 1e12

@@ -4,7 +4,7 @@
 
 prints how the Newton–Schulz work and the bytes spread over the ranks (every rank for small N,
 min/median/max beyond), then the predicted optimizer-step and step times of AdamW, vanilla
-distributed Muon and dmuon (:func:`dmuon.simulate.predict`). ``--model`` takes a preset name or
+distributed Muon and dmuon (:func:`dmuon.tools.simulate.predict`). ``--model`` takes a preset name or
 the path of a Hugging Face ``config.json``.
 """
 
@@ -16,15 +16,15 @@ import os
 import sys
 from dataclasses import asdict, replace
 
-from dmuon.cli import UsageError, fraction, output_path, positive_int
-from dmuon.costmodel import (
+from dmuon.planner import DEFAULT_BUCKET_BYTES
+from dmuon.tools.cli import UsageError, fraction, output_path, positive_int
+from dmuon.tools.costmodel import (
     DEFAULT_SEQ_LEN, DEFAULT_TOKENS_PER_RANK, MODES, Workload, build_plan, load_model_config,
     measured_mfu, muon_params,
 )
-from dmuon.hardware import DEFAULT_GPU_MFU, HARDWARE_NAMES, HardwareProfile, get_profile, measure_one_rank_seconds
-from dmuon.models import PRESETS, LlamaConfig, matrix_shapes, param_count
-from dmuon.planner import DEFAULT_BUCKET_BYTES
-from dmuon.simulate import Prediction, measured_elementwise_efficiency, predict
+from dmuon.tools.hardware import DEFAULT_GPU_MFU, HARDWARE_NAMES, HardwareProfile, get_profile, measure_one_rank_seconds
+from dmuon.tools.models import PRESETS, LlamaConfig, matrix_shapes, param_count
+from dmuon.tools.simulate import Prediction, measured_elementwise_efficiency, predict
 
 PER_RANK_TABLE_MAX = 16  # world sizes up to this print one row per rank
 CPU_MEASURE_MAX_PARAMS = 200_000_000  # largest model of which `--hardware cpu` times a training step
