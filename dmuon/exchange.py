@@ -13,6 +13,7 @@ it in), and they would fail with "Numpy is not available" on a plain install.
 
 from __future__ import annotations
 
+import math
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -34,33 +35,47 @@ class CommCounter:
         self.collectives = 0
 
 
+Shape = tuple[int, ...]
+
+
 @dataclass
 class PendingExchange:
-    """An all-to-all in flight; ``wait()`` returns the received pieces, one list per source."""
+    """An all-to-all in flight; ``wait()`` returns, per source position, the pieces it sent,
+    shaped as announced."""
 
     output: Tensor
-    recv_splits: list[int]
+    shapes_by_source: list[list[Shape]]
     work: dist.Work
 
-    def wait(self) -> list[Tensor]:
+    def wait(self) -> list[list[Tensor]]:
         self.work.wait()
-        return list(self.output.split(self.recv_splits))
+        received = self.output.split([sum(math.prod(s) for s in shapes) for shapes in self.shapes_by_source])
+        return [list(zip_shapes(flat, shapes)) for flat, shapes in zip(received, self.shapes_by_source)]
+
+
+def zip_shapes(flat: Tensor, shapes: list[Shape]):
+    """Views of consecutive pieces of ``flat`` with the given shapes."""
+    for piece, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes):
+        yield piece.view(shape)
 
 
 def start_all_to_all(
     pieces_by_dest: list[list[Tensor]],
-    recv_splits: list[int],
+    shapes_by_source: list[list[Shape]],
     group: dist.ProcessGroup,
     my_position: int,
     dtype: torch.dtype,
     counter: CommCounter,
+    device: torch.device | None = None,
 ) -> PendingExchange:
-    """Send ``pieces_by_dest[q]`` (flat tensors, concatenated) to position q of ``group`` and
-    receive ``recv_splits[q]`` elements from each q, asynchronously. Bytes a rank addresses to
-    itself are not counted as sent."""
+    """The one exchange pattern: send ``pieces_by_dest[q]`` (laid end to end, cast to ``dtype``)
+    to position q of ``group``, and receive from each position q the pieces of
+    ``shapes_by_source[q]``, asynchronously. Every rank calls it, also with nothing to send or
+    receive (zero-length splits). Bytes a rank addresses to itself are not counted as sent."""
     send_splits = [sum(t.numel() for t in pieces) for pieces in pieces_by_dest]
+    recv_splits = [sum(math.prod(s) for s in shapes) for shapes in shapes_by_source]
     flat = [t.reshape(-1).to(dtype) for pieces in pieces_by_dest for t in pieces]
-    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
     output = torch.empty(sum(recv_splits), dtype=dtype, device=send.device)
     counter.bytes_sent += (sum(send_splits) - send_splits[my_position]) * send.element_size()
     counter.collectives += 1
@@ -68,7 +83,7 @@ def start_all_to_all(
         output, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
         group=group, async_op=True,
     )
-    return PendingExchange(output, recv_splits, work)
+    return PendingExchange(output, shapes_by_source, work)
 
 
 def all_reduce_max(values: Tensor, group: dist.ProcessGroup | None, counter: CommCounter | None = None) -> Tensor:
@@ -150,3 +165,17 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup, device: torch.device |
     """Every rank's ``obj`` (pickled: dmuon's own dicts from the ranks of one job), without
     numpy: :func:`all_gather_bytes` of the pickles."""
     return [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(obj), group, device, counter)]
+
+
+def gather_whole(local: Tensor, mesh, placements, shape: torch.Size, stride: tuple[int, ...]) -> Tensor:
+    """The whole tensor on every rank from this rank's piece of a DTensor layout (the gathered
+    fallback's one collective per matrix, counted by its caller)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride).full_tensor()
+
+
+def new_subgroup(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """A process group of ``ranks``, made by those ranks alone (``use_local_synchronization``:
+    the others take no part), for a gang's distributed Newton–Schulz."""
+    return dist.new_group(list(ranks), use_local_synchronization=True)

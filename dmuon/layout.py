@@ -37,7 +37,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 
 @dataclass(frozen=True)
@@ -193,3 +193,9 @@ def detect_layout(
         f"{placements} on a {mesh.ndim}-D mesh of ranks {list(mesh_ranks)}. Supported: plain/DDP "
         "tensors, and DTensors sharded or replicated (not Partial) on a mesh of all ranks."
     )
+
+
+def piece_of(whole: Tensor, mesh, placements) -> Tensor:
+    """This rank's piece of a whole tensor every rank holds, for a DTensor layout (no
+    communication: every rank cuts its own)."""
+    return distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()

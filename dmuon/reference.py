@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon.optimizer import MUON_KEYS, Muon, adjusted_lr_ratio
+from dmuon.hyperparameters import MUON_KEYS, adjusted_lr_ratio
+from dmuon.optimizer import Muon
 from dmuon.orthogonalization import newton_schulz
 from dmuon.routing import block_rows, matrix_shape
 

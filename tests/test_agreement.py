@@ -118,7 +118,7 @@ def test_every_rank_raises_the_same_error(fn, expected):
 
 @pytest.mark.parametrize("fn,expected", [
     (bad_lr_on_rank_1, "Invalid weight_decay=inf. Must be finite."),
-    (sparse_gradient_on_rank_1, "Muon does not support sparse gradients: 'group 0 param 0'"),
+    (sparse_gradient_on_rank_1, "Muon does not support sparse gradients: 'group0.param0'"),
 ])
 def test_a_local_error_stops_every_rank_with_its_message(fn, expected):
     errors = run_on_ranks(3, error_of, fn)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import dmuon
-from dmuon.optimizer import adamw_hyperparameters
+from dmuon.hyperparameters import adamw_hyperparameters
 from dmuon.reference import ReferenceMuon
 
 BF16_PARITY_TOL = 2e-2

@@ -1,0 +1,104 @@
+"""The element-wise tensor code of a step, in two forms of the same kernels.
+
+Over lists (``*_all``), with float hyperparameters: the eager step, one ``torch._foreach_*``
+call per list instead of a Python loop over the parameters — per tensor the same operations as
+the plain reference (:mod:`dmuon.reference`): ``lerp_``, ``lerp``, ``mul_`` then ``add_``, so the
+two give the same bits. Per tensor (``update_momentum``, ``nesterov_input``, ``apply_update``),
+with hyperparameters as 0-D tensors: what ``Muon(compile=...)`` compiles, once for every lr and
+momentum (a compiled graph fuses them, so it matches the eager step to rounding, not bitwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from dmuon.orthogonalization import NSConfig, orthogonalize
+
+def update_momentum(buf: Tensor, grad: Tensor, momentum: Tensor) -> None:
+    """``B ← μ·B + (1−μ)·G``, μ a 0-D tensor (compiled once for every μ)."""
+    buf.lerp_(grad, 1 - momentum.to(buf.dtype))
+
+
+def nesterov_input(grad: Tensor, buf: Tensor, momentum: Tensor) -> Tensor:
+    """``G + μ·(B − G)``: the Newton–Schulz input with Nesterov momentum."""
+    return torch.lerp(grad, buf, momentum.to(buf.dtype))
+
+
+def apply_update(param: Tensor, update: Tensor, lr: Tensor, weight_decay: Tensor, scale: float) -> None:
+    """``W ← W·(1 − lr·wd) − lr·scale·O``, lr and wd 0-D tensors (compiled once for every lr)."""
+    param.mul_(1 - lr * weight_decay)
+    param.sub_(update.to(param.dtype) * (lr * scale))
+
+
+@dataclass(frozen=True)
+class CompiledKernels:
+    """The step's tensor code, each function compiled whole (``fullgraph=True``: a graph break
+    is an error) for fixed shapes; hyperparameters enter as 0-D tensors, so changing the lr or
+    momentum reuses the compiled code."""
+
+    orthogonalize: Callable[[Tensor, NSConfig], Tensor]
+    update_momentum: Callable[[Tensor, Tensor, Tensor], None]
+    nesterov_input: Callable[[Tensor, Tensor, Tensor], Tensor]
+    apply_update: Callable[[Tensor, Tensor, Tensor, Tensor, float], None]
+
+
+def compile_kernels(backend: str | Callable = "inductor") -> CompiledKernels:
+    def compiled(fn: Callable) -> Callable:
+        return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+
+    return CompiledKernels(*(compiled(fn) for fn in (orthogonalize, update_momentum, nesterov_input, apply_update)))
+
+
+def scalar(value: float | Tensor, device: torch.device) -> Tensor:
+    """A hyperparameter as the 0-D fp32 tensor the compiled kernels take."""
+    return torch.as_tensor(value, dtype=torch.float32, device=device)
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's piece of a tensor: the local shard of a DTensor (a view: writes go through)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
+    """Whether each tensor is all finite, as a bool vector (no host sync).
+
+    A tensor is finite exactly when its 2-norm accumulated in fp64 is: NaN and ±inf propagate,
+    and squares of fp32/bf16/fp16 values (below 3.4e38) cannot overflow fp64, so huge but finite
+    gradients pass. fp64 tensors take the infinity norm instead (a maximum cannot overflow;
+    ``torch._foreach_norm`` computes it about 3× slower on CPU). Empty tensors are finite."""
+    flags = torch.ones(len(tensors), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    for wide in (False, True):
+        chosen = [i for i, t in enumerate(tensors) if t.numel() and (t.dtype == torch.float64) == wide]
+        if not chosen:
+            continue
+        picked = [tensors[i] for i in chosen]
+        norms = torch._foreach_norm(picked, float("inf")) if wide else \
+            torch._foreach_norm(picked, 2, dtype=torch.float64)
+        finite = torch.stack(norms).isfinite()
+        if len(chosen) == len(tensors):
+            return finite
+        flags[chosen] = finite
+    return flags
+
+
+def update_momentum_all(bufs: list[Tensor], grads: list[Tensor], momentum: float) -> None:
+    """:func:`update_momentum` of every (buffer, gradient) pair."""
+    torch._foreach_lerp_(bufs, grads, 1 - momentum)
+
+
+def nesterov_inputs_all(grads: list[Tensor], bufs: list[Tensor], momentum: float) -> list[Tensor]:
+    """:func:`nesterov_input` of every pair."""
+    return list(torch._foreach_lerp(grads, bufs, momentum))
+
+
+def apply_updates_all(params: list[Tensor], updates: list[Tensor], lr: float, weight_decay: float,
+                      scale: float) -> None:
+    """:func:`apply_update` of every (parameter, update) pair with one lr factor ``scale``."""
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_add_(params, [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(params, updates)],
+                        alpha=-lr * scale)

@@ -1,0 +1,187 @@
+"""dmuon.Muon's options: what a param group stores, how its values are checked, and what
+each algorithm applies. Pure: no tensors are touched but the hyperparameters themselves."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dmuon.orthogonalization import SYMMETRIC_PRODUCTS, NSConfig, resolve_config
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+NONFINITE_POLICIES = ("skip", "raise", "ignore")
+
+# The state of a parameter, by algorithm.
+STATE_KEYS = {"muon": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_avg_sq")}
+
+MUON_KEYS = (
+    "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+    "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts", "ns_blocks",
+)
+# AdamW's options as a param group stores them; None for lr and weight decay: the group's own.
+ADAMW_GROUP_KEYS = ("adamw_lr", "adamw_weight_decay", "adamw_betas", "adamw_eps")
+# Per-parameter routing, stored in each group: lists parallel to "params".
+ROUTING_KEYS = ("algorithms", "matrix_views", "route_reasons")
+# Keys a user's param group may carry besides hyperparameters ("betas": AdamW's, by its torch name).
+USER_KEYS = frozenset({"params", "param_names", "algorithm", "matrix_view", "name", "initial_lr", "betas"})
+# What every stored group must have (checked when a state dict is loaded).
+GROUP_KEYS = (*MUON_KEYS, *ADAMW_GROUP_KEYS, *ROUTING_KEYS, "algorithm", "base_lr")
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def adamw_options(group: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """AdamW's options of a user's group, as stored: the group's ``adamw_*`` keys first, then
+    (lr, weight decay, betas; eps only in an ``"algorithm": "adamw"`` group) its plain keys, then
+    the constructor's. ``adamw_lr``/``adamw_weight_decay`` None mean "the group's lr / weight decay"."""
+    explicit = group.get("algorithm") == "adamw"
+    plain_lr = "lr" in group
+    plain_wd = "weight_decay" in group
+    return {
+        "adamw_lr": _first(group.get("adamw_lr"), None if plain_lr else defaults["adamw_lr"]),
+        "adamw_weight_decay": _first(group.get("adamw_weight_decay"),
+                                     None if plain_wd else defaults["adamw_weight_decay"]),
+        "adamw_betas": tuple(_first(group.get("adamw_betas"), group.get("betas"), defaults["adamw_betas"])),
+        "adamw_eps": _first(group.get("adamw_eps"), group.get("eps") if explicit else None, defaults["adamw_eps"]),
+    }
+
+
+def adamw_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """The lr, weight decay, betas and eps AdamW applies to a group's AdamW parameters now.
+
+    An explicit ``adamw_lr`` follows the group's lr as schedulers change it: it is scaled by
+    lr / ``base_lr``, the group's lr when the group was added."""
+    lr = group["lr"]
+    if group["adamw_lr"] is not None:
+        base = float(group["base_lr"])
+        lr = group["adamw_lr"] * float(lr) / base if base > 0 else group["adamw_lr"]
+    return {
+        "lr": lr,
+        "weight_decay": _first(group["adamw_weight_decay"], group["weight_decay"]),
+        "betas": group["adamw_betas"],
+        "eps": group["adamw_eps"],
+    }
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The constructor's options that shape the distributed step (the same on every rank)."""
+
+    comm_dtype: torch.dtype | None
+    bucket_bytes: int
+    replica_split: bool | None
+    distributed_ns: bool | None
+    symmetric_products: str
+    compile: bool | str | Callable
+    cuda_graphs: bool
+
+    def validate(self) -> None:
+        comm_dtype, bucket_bytes = self.comm_dtype, self.bucket_bytes
+        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+            raise ValueError(f"Invalid {comm_dtype=}. Must be a floating torch.dtype or None.")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"Invalid {bucket_bytes=}. Must be a positive int.")
+        for name in ("replica_split", "distributed_ns"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"Invalid {name}={getattr(self, name)!r}. Must be None (cost model), True or False.")
+        if self.symmetric_products not in (*SYMMETRIC_PRODUCTS, "auto"):
+            raise ValueError(f"Invalid symmetric_products={self.symmetric_products!r}. "
+                             f"Must be one of {(*SYMMETRIC_PRODUCTS, 'auto')}.")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"Invalid cuda_graphs={self.cuda_graphs!r}. Must be a bool.")
+        if not (isinstance(self.compile, (bool, str)) or callable(self.compile)):
+            raise ValueError(f"Invalid compile={self.compile!r}. Must be a bool, or a torch.compile backend "
+                             "(name or callable).")
+
+    def describe(self) -> str:
+        """As the ranks compare it: a compile backend by its name, not its address."""
+        backend = self.compile if isinstance(self.compile, (bool, str)) else getattr(self.compile, "__name__", "callable")
+        return repr((self.comm_dtype, self.bucket_bytes, self.replica_split, self.distributed_ns,
+                     self.symmetric_products, backend, self.cuda_graphs))
+
+
+def adjusted_lr_ratio(adjust_lr_fn: str | None, m: int, n: int) -> float:
+    """Per-matrix lr multiplier, as in ``torch.optim.Muon``.
+
+    "original" (Keller): √max(1, m/n); "match_rms_adamw" (Moonlight): 0.2·√max(m, n), which gives
+    the update the RMS of an AdamW update so AdamW's lr and weight decay carry over.
+    """
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(m, n))
+    return math.sqrt(max(1.0, m / n))
+
+
+def _check_range(name: str, value: Any, where: str, low: float, high: float | None = None,
+                 low_open: bool = False) -> None:
+    number = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise ValueError(f"Invalid {name}={value!r}{where}. Must be a number.")
+    if not math.isfinite(number):
+        raise ValueError(f"Invalid {name}={value!r}{where}. Must be finite.")
+    below = number <= low if low_open else number < low
+    above = high is not None and number >= high
+    if below or above:
+        bound = f"{'>' if low_open else '>='} {low}" + (f" and < {high}" if high is not None else "")
+        raise ValueError(f"Invalid {name}={value!r}{where}. Must be {bound}.")
+
+
+def validate_muon_group(group: dict[str, Any], where: str = "") -> None:
+    """Raise a ValueError naming the first bad Muon hyperparameter of a group."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"Invalid lr{where}: a Tensor lr must have one element, got shape {tuple(lr.shape)}.")
+    _check_range("lr", lr, where, 0.0)
+    _check_range("weight_decay", group["weight_decay"], where, 0.0)
+    _check_range("momentum", group["momentum"], where, 0.0, 1.0)
+    _check_range("eps", group["eps"], where, 0.0, low_open=True)
+    if not isinstance(group["nesterov"], bool):
+        raise ValueError(f"Invalid nesterov={group['nesterov']!r}{where}. Must be a bool.")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"Invalid adjust_lr_fn={group['adjust_lr_fn']!r}{where}. Must be one of {ADJUST_LR_FNS}.")
+    try:  # resolving for a square and a wide shape exercises every option of the recipe
+        for shape in ((8, 8), (8, 64)):
+            for device_type in ("cpu", "cuda"):
+                ns_config(group, shape, device_type)
+    except ValueError as err:
+        raise ValueError(f"{err}{' (' + where.strip(' ,') + ')' if where else ''}") from None
+
+
+def validate_adamw_group(group: dict[str, Any], where: str = "") -> None:
+    """Raise a ValueError naming the first bad AdamW hyperparameter of a stored group."""
+    for key in ("adamw_lr", "adamw_weight_decay"):
+        if group[key] is not None:
+            _check_range(key, group[key], where, 0.0)
+    _check_range("adamw_eps", group["adamw_eps"], where, 0.0, low_open=True)
+    betas = group["adamw_betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid adamw_betas={betas!r}{where}. Must be a pair.")
+    for i, beta in enumerate(betas):
+        _check_range(f"adamw_betas[{i}]", beta, where, 0.0, 1.0)
+
+
+def dtype_name(value: torch.dtype | str | None, where: str = "") -> str | None:
+    """``ns_dtype`` as param groups keep it: a name ("bfloat16") or None, since DCP's full and
+    CPU-offloaded state dicts accept only plain values in param groups."""
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"Invalid ns_dtype={value!r}{where}. Must be a floating torch.dtype, its name, or None.")
+    return name
+
+
+def ns_config(group: dict[str, Any], shape: Sequence[int], device_type: str, symmetric: str = "torch") -> NSConfig:
+    name = dtype_name(group["ns_dtype"])
+    return resolve_config(
+        shape, device_type, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+        method=group["ns_method"], dtype=getattr(torch, name) if name else None,
+        restarts=group["ns_restarts"], eps=group["eps"], symmetric=symmetric,
+    )

@@ -1,0 +1,174 @@
+"""What every strategy shares: the description of one matrix's work, the step's input/output
+interface, the statistics, and the batched Newton–Schulz call.
+
+A :class:`MatrixWork` is *static*: built once per step plan, it says how a parameter is laid
+out and orthogonalized, never what its values are. The values flow through :class:`StepIO`,
+which the optimizer provides each step: a strategy asks it for the Newton–Schulz inputs of the
+works it is about to send or orthogonalize (in batches, so the element-wise work runs as
+``torch._foreach_*`` calls), and hands it the updates as they arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dmuon.exchange import CommCounter
+from dmuon.layout import Layout
+from dmuon.orthogonalization import NSConfig, newton_schulz_flops
+from dmuon.planner import Unit
+
+
+@dataclass(frozen=True)
+class Block:
+    """Rows of a fused matrix orthogonalized on their own, and the factor their result takes."""
+
+    rows: int
+    config: NSConfig
+    scale: float
+
+
+@dataclass(frozen=True)
+class MatrixWork:
+    """How one Muon parameter is orthogonalized (the same every step).
+
+    The whole Newton–Schulz input is ``count`` m×n matrices, laid out as ``layout.shape``; this
+    rank's piece of it (and of the update) has ``local_shape``, in the exchange's orientation.
+    ``blocks``: for fused weights, the row blocks orthogonalized separately, each result scaled
+    by its block's factor (empty: the whole matrix, with ``config``, unscaled).
+    """
+
+    name: str
+    local_shape: tuple[int, ...]
+    dtype: torch.dtype
+    layout: Layout
+    group: dist.ProcessGroup | None
+    count: int
+    m: int
+    n: int
+    config: NSConfig
+    blocks: tuple[Block, ...] = ()
+    # gathered layouts only: this rank's input → the whole input on every rank (collective), and
+    # a whole update → this rank's piece
+    gather_whole: Callable[[Tensor], Tensor] | None = None
+    local_piece: Callable[[Tensor], Tensor] | None = None
+    # distributed NS: the local input is this rank's column block (count, m, n_local) of a matrix
+    # whose Gram side is m, and the update this rank's columns of the result
+    column_blocks: bool = False
+    # split over a gang of positions of the exchange group (planner.choose_gangs); empty: not
+    gang: tuple[int, ...] = ()
+
+    @property
+    def pieces(self) -> list[tuple[int, NSConfig]]:
+        """(rows, config) of what Newton–Schulz runs on: the blocks, or the whole matrix."""
+        return [(b.rows, b.config) for b in self.blocks] or [(self.m, self.config)]
+
+
+def unit_of(work: MatrixWork, itemsize: int) -> Unit:
+    """The planner's view of a work: its shape, layout, bytes per element on the wire, FLOPs."""
+    per_matrix = sum(newton_schulz_flops(rows, work.n, steps=c.steps, method=c.method, restarts=c.restarts)
+                     for rows, c in work.pieces)
+    return Unit(work.name, work.layout, work.count, work.m, work.n, itemsize, work.count * per_matrix)
+
+
+class StepIO(Protocol):
+    """The values of one step, by index into the step plan's works."""
+
+    def inputs(self, indices: Sequence[int]) -> list[Tensor]:
+        """This rank's Newton–Schulz inputs of those works (shaped ``local_shape``), computed now."""
+
+    def apply(self, indices: Sequence[int], updates: Sequence[Tensor]) -> None:
+        """Apply this rank's pieces of those works' updates (shaped ``local_shape``)."""
+
+
+@dataclass
+class StepStats:
+    """What this rank did in the last step's orthogonalization. Reading it costs nothing and
+    synchronizes nothing, except :attr:`ns_seconds` on CUDA (it waits for the step's last
+    Newton–Schulz kernel)."""
+
+    matrices_orthogonalized: int = 0
+    ns_flops: int = 0
+    bytes_sent: int = 0
+    collectives: int = 0
+    gangs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # split matrices: name → global ranks
+    # Newton–Schulz time: host seconds on CPU, (start, end) CUDA event pairs on CUDA, read lazily
+    _ns_spans: list = field(default_factory=list)
+
+    @property
+    def ns_seconds(self) -> float:
+        """Time this rank spent in Newton–Schulz calls."""
+        total = 0.0
+        for span in self._ns_spans:
+            total += span if isinstance(span, float) else span[0].elapsed_time(span[1]) / 1e3
+        return total
+
+
+class Timed:
+    """Times a block of device work into ``stats``: host time on CPU; CUDA events otherwise, so
+    that timing never synchronizes the step."""
+
+    def __init__(self, stats: StepStats, device: torch.device) -> None:
+        self.stats, self.cuda = stats, device.type == "cuda"
+
+    def __enter__(self) -> None:
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.stats._ns_spans.append((self.start, end))
+        else:
+            self.stats._ns_spans.append(time.perf_counter() - self.start)
+
+
+@dataclass
+class Context:
+    """What a strategy uses while it runs: the Newton–Schulz function (plain, compiled or
+    graphed), the wire dtype, and this step's byte counter and statistics."""
+
+    orthogonalize: Callable[[Tensor, NSConfig], Tensor]
+    comm_dtype: torch.dtype | None
+    counter: CommCounter = field(default_factory=CommCounter)
+    stats: StepStats = field(default_factory=StepStats)
+
+    def wire_dtype(self, work: MatrixWork) -> torch.dtype:
+        return self.comm_dtype or work.dtype
+
+    def orthogonalize_whole(self, inputs: dict[int, Tensor], works: Sequence[MatrixWork],
+                            units: Sequence[Unit]) -> dict[int, Tensor]:
+        """Orthogonalize whole inputs (work index → (count, m, n)); same-shape, same-config
+        pieces — whole matrices, or the row blocks of fused ones — share one batched call."""
+        batches: dict[tuple, list[tuple[int, int, int]]] = {}
+        for u in inputs:
+            start = 0
+            for b, (rows, config) in enumerate(works[u].pieces):
+                batches.setdefault((rows, works[u].n, config), []).append((u, b, start))
+                start += rows
+            self.stats.ns_flops += units[u].flops
+        pieces: dict[tuple[int, int], Tensor] = {}
+        for (rows, _, config), members in batches.items():
+            # one contiguous copy, as every call before it: the same memory layout, the same result
+            stacked = torch.cat([inputs[u] if len(works[u].pieces) == 1 else inputs[u][:, start: start + rows]
+                                 for u, _, start in members])
+            with Timed(self.stats, stacked.device):
+                results = self.orthogonalize(stacked, config).split([works[u].count for u, _, _ in members])
+            pieces.update(((u, b), r) for (u, b, _), r in zip(members, results))
+            self.stats.matrices_orthogonalized += stacked.shape[0]
+        outputs: dict[int, Tensor] = {}
+        for u in inputs:
+            blocks = works[u].blocks
+            outputs[u] = pieces[u, 0] if not blocks else \
+                torch.cat([pieces[u, b] * block.scale for b, block in enumerate(blocks)], dim=1)
+        return outputs

@@ -1,0 +1,164 @@
+"""The planned owner exchange (DDP, FSDP2, HSDP, tensor parallel, one process): each matrix
+gathered to its owner, orthogonalized there once, and every rank sent its rows of the update —
+bucket by bucket, communication overlapping compute::
+
+    start gather(k+1)          # in flight while …
+    wait gather(k); NS on the units this rank owns in k (same shape+config stacked)
+    start return(k)
+    wait return(k−1); apply its updates
+
+Who sends what to whom in each bucket is worked out once, when the strategy is built; a step
+only computes the inputs it sends or owns, runs the collectives and applies what arrives.
+
+Memory stays bounded by buckets, not by the model: a work's Newton–Schulz input is computed
+only when its bucket needs it (and only on the ranks that send or own it), and the updates of a
+bucket are applied as soon as it arrives — at most two buckets of gathered inputs and two of
+returned updates exist at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dmuon.exchange import PendingExchange, Shape, start_all_to_all
+from dmuon.layout import Layout
+from dmuon.planner import Plan
+from dmuon.strategies.base import Context, MatrixWork, StepIO
+
+
+def rows_of(full: Tensor, layout: Layout, shard: int) -> Tensor:
+    """Shard ``shard``'s rows of a tensor of the layout's global shape, flattened."""
+    start = sum(layout.chunk_rows(s) for s in range(shard))
+    return full.reshape(layout.shape)[start: start + layout.chunk_rows(shard)].reshape(-1)
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """One bucket as this rank sees it (positions in the exchange group, units by index)."""
+
+    units: tuple[int, ...]
+    gathers: bool  # does any rank send anything (no: replicated layouts, nothing to gather)
+    sends: tuple[tuple[int, int], ...]  # (unit, owner) this rank sends its rows of
+    gather_shapes: tuple[tuple[Shape, ...], ...]  # by source: what this rank receives as an owner
+    owned: tuple[tuple[int, tuple[int, ...]], ...]  # (unit, its replica block) this rank owns
+    returns: bool
+    return_sends: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # owned unit, ((target, shard), ...)
+    return_shapes: tuple[tuple[Shape, ...], ...]  # by source: the rows this rank gets back
+
+
+class PlannedExchange:
+    """The works of one exchange group, run as their :class:`~dmuon.planner.Plan` says."""
+
+    def __init__(self, indices: Sequence[int], works: Sequence[MatrixWork], plan: Plan, device: torch.device) -> None:
+        self.indices = list(indices)  # into the step plan's works
+        self.works = list(works)
+        self.plan = plan
+        self.group = works[0].group
+        self.device = device  # of an empty send buffer (NCCL takes only device tensors)
+        self.me = works[0].layout.group_ranks.index(dist.get_rank()) if self.group is not None else 0
+        self.buckets = [self._bucket(k) for k in range(len(plan.buckets))]
+
+    def _bucket(self, k: int) -> _Bucket:
+        plan, me = self.plan, self.me
+        units = plan.buckets[k]
+
+        def numel(u: int, p: int) -> int:
+            return plan.units[u].chunk_bytes(p) // plan.units[u].itemsize
+
+        gather_shapes: list[list[Shape]] = [[] for _ in range(plan.size)]
+        return_shapes: list[list[Shape]] = [[] for _ in range(plan.size)]
+        for u in units:
+            owner = plan.owners[u]
+            if owner == me:
+                for p in plan.gather_sources(u):
+                    gather_shapes[p].append((numel(u, p),))
+            elif me in plan.return_targets(u):
+                return_shapes[owner].append((numel(u, me),))
+        shards = {u: plan.units[u].layout.shards for u in units}
+        return _Bucket(
+            units=tuple(units),
+            gathers=any(plan.gather_sources(u) for u in units),
+            sends=tuple((u, plan.owners[u]) for u in units if me in plan.gather_sources(u)),
+            gather_shapes=tuple(map(tuple, gather_shapes)),
+            owned=tuple((u, tuple(plan.replica_block(u))) for u in units if plan.owners[u] == me),
+            returns=any(plan.return_targets(u) for u in units),
+            return_sends=tuple((u, tuple((p, p % shards[u]) for p in plan.return_targets(u)))
+                               for u in units if plan.owners[u] == me),
+            return_shapes=tuple(map(tuple, return_shapes)),
+        )
+
+    def run(self, io: StepIO, ctx: Context) -> None:
+        returns: list[tuple[int, PendingExchange | None, dict[int, Tensor]]] = []
+        gathers = {0: self._start_gather(0, io, ctx)} if self.buckets else {}
+        for k in range(len(self.buckets)):
+            if k + 1 < len(self.buckets):
+                gathers[k + 1] = self._start_gather(k + 1, io, ctx)
+            owned = self._orthogonalize_owned(k, gathers.pop(k), io, ctx)
+            returns.append((k, self._start_return(k, owned, ctx), owned))
+            if len(returns) > 1:
+                self._finish_return(*returns.pop(0), io)
+        for pending in returns:
+            self._finish_return(*pending, io)
+
+    def _dtype(self, k: int, ctx: Context) -> torch.dtype:
+        return ctx.wire_dtype(self.works[self.buckets[k].units[0]])
+
+    def _start_gather(self, k: int, io: StepIO, ctx: Context) -> PendingExchange | None:
+        bucket = self.buckets[k]
+        if not bucket.gathers:
+            return None  # nothing to gather (replicated layouts): no rank calls a collective
+        sends: list[list[Tensor]] = [[] for _ in range(self.plan.size)]
+        inputs = io.inputs([self.indices[u] for u, _ in bucket.sends])
+        for (_, owner), x in zip(bucket.sends, inputs):
+            sends[owner].append(x)
+        return start_all_to_all(sends, [list(s) for s in bucket.gather_shapes], self.group, self.me,
+                                self._dtype(k, ctx), ctx.counter, self.device)
+
+    def _orthogonalize_owned(self, k: int, pending: PendingExchange | None, io: StepIO,
+                             ctx: Context) -> dict[int, Tensor]:
+        """Assemble, then orthogonalize, the units of bucket k this rank owns."""
+        bucket = self.buckets[k]
+        received = [iter(pieces) for pieces in pending.wait()] if pending is not None else None
+        own = io.inputs([self.indices[u] for u, _ in bucket.owned])
+        dtype = self._dtype(k, ctx)
+        inputs: dict[int, Tensor] = {}
+        for (u, block), mine in zip(bucket.owned, own):
+            work = self.works[u]
+            if len(block) == 1:  # the owner holds it whole (one process, DDP)
+                inputs[u] = mine.to(dtype).reshape(work.count, work.m, work.n)
+                continue
+            # the rows of shard 0, 1, … in order
+            pieces = [mine.reshape(-1).to(dtype) if p == self.me else next(received[p]) for p in block]
+            inputs[u] = torch.cat(pieces).reshape(work.count, work.m, work.n)
+        return ctx.orthogonalize_whole(inputs, self.works, self.plan.units)
+
+    def _start_return(self, k: int, owned: dict[int, Tensor], ctx: Context) -> PendingExchange | None:
+        bucket = self.buckets[k]
+        if not bucket.returns:
+            return None
+        sends: list[list[Tensor]] = [[] for _ in range(self.plan.size)]
+        for u, targets in bucket.return_sends:
+            layout = self.plan.units[u].layout
+            for p, shard in targets:
+                sends[p].append(rows_of(owned[u], layout, shard))
+        return start_all_to_all(sends, [list(s) for s in bucket.return_shapes], self.group, self.me,
+                                self._dtype(k, ctx), ctx.counter, self.device)
+
+    def _finish_return(self, k: int, pending: PendingExchange | None, owned: dict[int, Tensor], io: StepIO) -> None:
+        received = [iter(pieces) for pieces in pending.wait()] if pending is not None else None
+        updates = []
+        for u in self.buckets[k].units:
+            work, owner = self.works[u], self.plan.owners[u]
+            if owner != self.me:
+                piece = next(received[owner])
+            elif work.layout.shards == 1:  # this rank's rows are all of them
+                piece = owned[u]
+            else:
+                piece = rows_of(owned[u], work.layout, self.me % work.layout.shards)
+            updates.append(piece.reshape(work.local_shape))
+        io.apply([self.indices[u] for u in self.buckets[k].units], updates)
