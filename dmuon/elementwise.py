@@ -71,6 +71,8 @@ def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
     and squares of fp32/bf16/fp16 values (below 3.4e38) cannot overflow fp64, so huge but finite
     gradients pass. fp64 tensors take the infinity norm instead (a maximum cannot overflow;
     ``torch._foreach_norm`` computes it about 3× slower on CPU). Empty tensors are finite."""
+    if tensors and all(t.dtype != torch.float64 and t.numel() for t in tensors):  # the usual case: one call
+        return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float64)).isfinite()
     flags = torch.ones(len(tensors), dtype=torch.bool, device=tensors[0].device if tensors else None)
     for wide in (False, True):
         chosen = [i for i, t in enumerate(tensors) if t.numel() and (t.dtype == torch.float64) == wide]

@@ -381,16 +381,18 @@ class Muon(torch.optim.Optimizer):
         self._engine.start_step()
         self._update_squares = {}
         muon = self._muon_params()
-        shardings = {id(o.sharding): o.sharding for o in map(owned_by, (p for _, p, _, _ in muon)) if o is not None}
+        owned = [owned_by(p) for _, p, _, _ in muon]
+        here = [o is None or o.is_mine for o in owned]  # whether this rank steps it (owner sharding)
+        shardings = {id(o.sharding): o.sharding for o in owned if o is not None}
         for sharding in shardings.values():
             sharding.wait_for_gradients()
-        stepped = self._agree_on_gradients(muon)
+        stepped = self._agree_on_gradients(muon, here)
         if stepped is None:
             return loss
         for sharding in shardings.values():
             sharding.weights_changed()
-        for _, p, _, _ in muon:
-            if not steps_here(p):
+        for (_, p, _, _), mine in zip(muon, here):
+            if not mine:
                 # An empty entry on the ranks that do not own p: every rank's optimizer state
                 # then names every parameter, as torch.distributed.checkpoint requires to load.
                 self.state[p]
@@ -403,7 +405,7 @@ class Muon(torch.optim.Optimizer):
             self._engine.run(plan.prepared, StepValues(plan, self.state, self._kernels, self._update_squares))
         return loss
 
-    def _agree_on_gradients(self, muon: list[MuonEntry]) -> list[bool] | None:
+    def _agree_on_gradients(self, muon: list[MuonEntry], here: list[bool]) -> list[bool] | None:
         """Which Muon parameters to step, or None to skip the whole step.
 
         Under torch.distributed every rank must take the same decisions (or the collectives
@@ -413,18 +415,18 @@ class Muon(torch.optim.Optimizer):
         its result is the step's one host synchronization (on CUDA; none follows).
         """
         device = self._collective_device()
-        names = [(param_groups.names_of(group, g), group) for g, group in enumerate(self.param_groups)]
-        checked = [(n, p) for group_names, group in names for n, p in zip(group_names, group["params"])
-                   if p.grad is not None and steps_here(p)]
-        sparse = next((n for n, p in checked if p.grad.is_sparse), None)
+        params = [p for group in self.param_groups for p in group["params"]]
+        checked = [i for i, p in enumerate(params) if p.grad is not None and steps_here(p)]
+        grads = [local(params[i].grad) for i in checked]
+        sparse = next((i for i, g in zip(checked, grads) if g.is_sparse), None)
         error, finite = None, None
         if sparse is not None:  # before any reduction (none runs on sparse tensors), shared with the other ranks
-            error = RuntimeError(f"Muon does not support sparse gradients: {sparse!r} has one. Use dense gradients "
-                                 "(e.g. nn.Embedding(..., sparse=False)).")
+            error = RuntimeError(f"Muon does not support sparse gradients: {self._names()[sparse]!r} has one. Use "
+                                 "dense gradients (e.g. nn.Embedding(..., sparse=False)).")
         elif self.defaults["nonfinite_grads"] != "ignore" and checked:
-            finite = finite_flags([local(p.grad) for _, p in checked])
+            finite = finite_flags(grads)
         # an owner-sharded parameter's gradient is its owner's business alone: others report none missing
-        no_grad = torch.tensor([float(p.grad is None and steps_here(p)) for _, p, _, _ in muon])
+        no_grad = torch.tensor([float(p.grad is None and mine) for (_, p, _, _), mine in zip(muon, here)])
         if device.type == "cuda":  # from pinned memory the copy does not wait for the step's kernels
             no_grad = no_grad.pin_memory().to(device, non_blocking=True)
         bad = (~finite).any().reshape(1) if finite is not None else torch.zeros(1, dtype=torch.bool)
@@ -437,18 +439,23 @@ class Muon(torch.optim.Optimizer):
             raise error
         agreed = flags.tolist()  # the one host read
         if agreed[0] > 0:
-            where = [n for (n, _), ok in zip(checked, finite.tolist()) if not ok] if finite is not None else []
+            names = self._names()
+            where = [names[i] for i, ok in zip(checked, finite.tolist()) if not ok] if finite is not None else []
             where = where or ["another rank's parameters"]
             if self.defaults["nonfinite_grads"] == "raise":
                 raise FloatingPointError(f"Non-finite gradients in {where}.")
             self.skipped_steps += 1
             warnings.warn(f"Muon skipped a step: non-finite gradients in {where}.", stacklevel=3)
             return None
-        partial = [name for (name, p, _, _), missing in zip(muon, agreed[1:])
-                   if missing and p.grad is not None and steps_here(p)]
+        partial = [name for (name, p, _, _), mine, missing in zip(muon, here, agreed[1:])
+                   if missing and p.grad is not None and mine]
         if partial:
             warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=3)
-        return [not missing and steps_here(p) for (_, p, _, _), missing in zip(muon, agreed[1:])]
+        return [not missing and mine for mine, missing in zip(here, agreed[1:])]
+
+    def _names(self) -> list[str]:
+        """Every parameter's name, in group order (unnamed: ``"group{g}.param{i}"``)."""
+        return [n for g, group in enumerate(self.param_groups) for n in param_groups.names_of(group, g)]
 
     def _collective_device(self) -> torch.device:
         """Where the optimizer's small collectives run: the parameters' device (NCCL groups take

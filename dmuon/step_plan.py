@@ -15,7 +15,7 @@ Newton–Schulz options, or a new group or loaded state. A step then only moves 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -75,6 +75,7 @@ class StepPlan:
     works: tuple[MatrixWork, ...]
     targets: tuple[Target, ...]
     prepared: PreparedStep
+    chunks: dict[tuple[int, ...], list[list[int]]] = field(default_factory=dict)  # StepValues' groupings
 
 
 def splittable(p: Tensor, layout, process_group, blocks: tuple) -> bool:
@@ -225,17 +226,22 @@ class StepValues:
                  squares: dict[str, list]) -> None:
         self.plan, self.state, self.kernels, self.squares = plan, state, kernels, squares
 
-    def _by_group(self, indices: Sequence[int]) -> dict[int, list[int]]:
-        """Positions in ``indices`` by (param group, lr factor): one foreach call each."""
-        chunks: dict[tuple, list[int]] = {}
-        for k, i in enumerate(indices):
-            target = self.plan.targets[i]
-            chunks.setdefault((id(target.group), target.scale), []).append(k)
+    def _by_group(self, indices: Sequence[int]) -> list[list[int]]:
+        """Positions in ``indices`` by (param group, lr factor): one foreach call each. The same
+        requests come every step, so the answer is kept with the plan."""
+        key = tuple(indices)
+        chunks = self.plan.chunks.get(key)
+        if chunks is None:
+            by_key: dict[tuple, list[int]] = {}
+            for k, i in enumerate(indices):
+                target = self.plan.targets[i]
+                by_key.setdefault((id(target.group), target.scale), []).append(k)
+            chunks = self.plan.chunks[key] = list(by_key.values())
         return chunks
 
     def inputs(self, indices: Sequence[int]) -> list[Tensor]:
         out: list[Tensor | None] = [None] * len(indices)
-        for chunk in self._by_group(indices).values():
+        for chunk in self._by_group(indices):
             targets = [self.plan.targets[indices[k]] for k in chunk]
             group = targets[0].group
             grads = [local(t.param.grad) for t in targets]
@@ -252,12 +258,11 @@ class StepValues:
         return out  # type: ignore[return-value]
 
     def apply(self, indices: Sequence[int], updates: Sequence[Tensor]) -> None:
-        for chunk in self._by_group(indices).values():
+        for chunk in self._by_group(indices):
             targets = [self.plan.targets[indices[k]] for k in chunk]
             group, ratio = targets[0].group, targets[0].scale
             params = [local(t.param) for t in targets]
-            mine = [(updates[k].mT if t.transpose else updates[k]).reshape(p.shape)
-                    for k, t, p in zip(chunk, targets, params)]
+            mine = [updates[k].mT if t.transpose else updates[k] for k, t in zip(chunk, targets)]
             # in fp32 at least, as the statistics always are (a norm cannot narrow fp64)
             wide = any(u.dtype == torch.float64 for u in mine)
             norms = torch._foreach_norm(mine, 2, dtype=None if wide else torch.float32)

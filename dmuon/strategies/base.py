@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -64,7 +65,7 @@ class MatrixWork:
     # split over a gang of positions of the exchange group (planner.choose_gangs); empty: not
     gang: tuple[int, ...] = ()
 
-    @property
+    @cached_property  # a frozen dataclass's cache: written to the instance's __dict__ directly
     def pieces(self) -> list[tuple[int, NSConfig]]:
         """(rows, config) of what Newton–Schulz runs on: the blocks, or the whole matrix."""
         return [(b.rows, b.config) for b in self.blocks] or [(self.m, self.config)]
@@ -146,25 +147,19 @@ class Context:
     def wire_dtype(self, work: MatrixWork) -> torch.dtype:
         return self.comm_dtype or work.dtype
 
-    def orthogonalize_whole(self, inputs: dict[int, Tensor], works: Sequence[MatrixWork],
-                            units: Sequence[Unit]) -> dict[int, Tensor]:
-        """Orthogonalize whole inputs (work index → (count, m, n)); same-shape, same-config
-        pieces — whole matrices, or the row blocks of fused ones — share one batched call."""
-        batches: dict[tuple, list[tuple[int, int, int]]] = {}
-        for u in inputs:
-            start = 0
-            for b, (rows, config) in enumerate(works[u].pieces):
-                batches.setdefault((rows, works[u].n, config), []).append((u, b, start))
-                start += rows
-            self.stats.ns_flops += units[u].flops
+    def orthogonalize_whole(self, inputs: dict[int, Tensor], works: Sequence[MatrixWork], batches: Sequence[Batch],
+                            flops: int) -> dict[int, Tensor]:
+        """Orthogonalize whole inputs (work index → (count, m, n)) in ``batches`` (from
+        :func:`batches_of`, worked out once); ``flops``: theirs in total, for the statistics."""
+        self.stats.ns_flops += flops
         pieces: dict[tuple[int, int], Tensor] = {}
-        for (rows, _, config), members in batches.items():
+        for config, rows, members in batches:
             # one contiguous copy, as every call before it: the same memory layout, the same result
-            stacked = torch.cat([inputs[u] if len(works[u].pieces) == 1 else inputs[u][:, start: start + rows]
-                                 for u, _, start in members])
+            stacked = torch.cat([inputs[u] if whole else inputs[u][:, start: start + rows]
+                                 for u, _, start, whole in members])
             with Timed(self.stats, stacked.device):
-                results = self.orthogonalize(stacked, config).split([works[u].count for u, _, _ in members])
-            pieces.update(((u, b), r) for (u, b, _), r in zip(members, results))
+                results = self.orthogonalize(stacked, config).split([works[u].count for u, _, _, _ in members])
+            pieces.update(((u, b), r) for (u, b, _, _), r in zip(members, results))
             self.stats.matrices_orthogonalized += stacked.shape[0]
         outputs: dict[int, Tensor] = {}
         for u in inputs:
@@ -172,3 +167,20 @@ class Context:
             outputs[u] = pieces[u, 0] if not blocks else \
                 torch.cat([pieces[u, b] * block.scale for b, block in enumerate(blocks)], dim=1)
         return outputs
+
+
+# (config, rows, members): one batched Newton–Schulz call over the pieces (work index, block,
+# first row, whether it is the whole matrix) of the same shape and configuration
+Batch = tuple[NSConfig, int, tuple[tuple[int, int, int, bool], ...]]
+
+
+def batches_of(indices: Sequence[int], works: Sequence[MatrixWork]) -> list[Batch]:
+    """How :meth:`Context.orthogonalize_whole` stacks these works: same-shape, same-config pieces
+    — whole matrices, or the row blocks of fused ones — share one batched call, in order."""
+    batches: dict[tuple, list[tuple[int, int, int, bool]]] = {}
+    for u in indices:
+        start = 0
+        for b, (rows, config) in enumerate(works[u].pieces):
+            batches.setdefault((rows, works[u].n, config), []).append((u, b, start, len(works[u].pieces) == 1))
+            start += rows
+    return [(config, rows, tuple(members)) for (rows, _, config), members in batches.items()]

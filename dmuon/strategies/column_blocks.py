@@ -27,4 +27,4 @@ class ColumnBlocks:
             ctx.stats.ns_flops += work.count * newton_schulz_flops(
                 work.m, block.shape[-1], steps=work.config.steps, method=work.config.method,
                 restarts=work.config.restarts, gram_side=work.m)
-            io.apply([index], [update])
+            io.apply([index], [update.reshape(work.local_shape)])

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from dmuon.exchange import start_broadcast
 from dmuon.planner import Unit, balance_owners
-from dmuon.strategies.base import Context, MatrixWork, StepIO
+from dmuon.strategies.base import Context, MatrixWork, StepIO, batches_of
 
 
 class GatheredFallback:
@@ -30,7 +30,8 @@ class GatheredFallback:
             ctx.counter.collectives += 1  # the gather
             if owner == self.me:
                 # contiguous: the collective sends memory order (NS hands tall matrices back transposed)
-                update = ctx.orthogonalize_whole({u: whole}, self.works, self.units)[u].contiguous()
+                update = ctx.orthogonalize_whole({u: whole}, self.works, batches_of([u], self.works),
+                                                 self.units[u].flops)[u].contiguous()
             else:  # contiguous, as the owner's is (a gathered tensor may come with any strides)
                 update = torch.empty(whole.shape, dtype=whole.dtype, device=whole.device)
             start_broadcast(update, work.layout.group_ranks[owner], work.group, ctx.counter).wait()

@@ -28,7 +28,7 @@ from torch import Tensor
 from dmuon.exchange import PendingExchange, Shape, start_all_to_all
 from dmuon.layout import Layout
 from dmuon.planner import Plan
-from dmuon.strategies.base import Context, MatrixWork, StepIO
+from dmuon.strategies.base import Batch, Context, MatrixWork, StepIO, batches_of
 
 
 def rows_of(full: Tensor, layout: Layout, shard: int) -> Tensor:
@@ -46,6 +46,8 @@ class _Bucket:
     sends: tuple[tuple[int, int], ...]  # (unit, owner) this rank sends its rows of
     gather_shapes: tuple[tuple[Shape, ...], ...]  # by source: what this rank receives as an owner
     owned: tuple[tuple[int, tuple[int, ...]], ...]  # (unit, its replica block) this rank owns
+    batches: tuple[Batch, ...]  # how the owned units are stacked for Newton–Schulz
+    flops: int  # of the owned units
     returns: bool
     return_sends: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # owned unit, ((target, shard), ...)
     return_shapes: tuple[tuple[Shape, ...], ...]  # by source: the rows this rank gets back
@@ -80,12 +82,15 @@ class PlannedExchange:
             elif me in plan.return_targets(u):
                 return_shapes[owner].append((numel(u, me),))
         shards = {u: plan.units[u].layout.shards for u in units}
+        owned = [u for u in units if plan.owners[u] == me]
         return _Bucket(
             units=tuple(units),
             gathers=any(plan.gather_sources(u) for u in units),
             sends=tuple((u, plan.owners[u]) for u in units if me in plan.gather_sources(u)),
             gather_shapes=tuple(map(tuple, gather_shapes)),
-            owned=tuple((u, tuple(plan.replica_block(u))) for u in units if plan.owners[u] == me),
+            owned=tuple((u, tuple(plan.replica_block(u))) for u in owned),
+            batches=tuple(batches_of(owned, self.works)),
+            flops=sum(plan.units[u].flops for u in owned),
             returns=any(plan.return_targets(u) for u in units),
             return_sends=tuple((u, tuple((p, p % shards[u]) for p in plan.return_targets(u)))
                                for u in units if plan.owners[u] == me),
@@ -130,12 +135,12 @@ class PlannedExchange:
         for (u, block), mine in zip(bucket.owned, own):
             work = self.works[u]
             if len(block) == 1:  # the owner holds it whole (one process, DDP)
-                inputs[u] = mine.to(dtype).reshape(work.count, work.m, work.n)
+                inputs[u] = (mine if mine.dtype == dtype else mine.to(dtype)).reshape(work.count, work.m, work.n)
                 continue
             # the rows of shard 0, 1, … in order
             pieces = [mine.reshape(-1).to(dtype) if p == self.me else next(received[p]) for p in block]
             inputs[u] = torch.cat(pieces).reshape(work.count, work.m, work.n)
-        return ctx.orthogonalize_whole(inputs, self.works, self.plan.units)
+        return ctx.orthogonalize_whole(inputs, self.works, bucket.batches, bucket.flops)
 
     def _start_return(self, k: int, owned: dict[int, Tensor], ctx: Context) -> PendingExchange | None:
         bucket = self.buckets[k]
