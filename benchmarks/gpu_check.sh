@@ -15,7 +15,7 @@ out="${1:-gpu_check_results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-python -m pytest -q tests/test_orthogonalization.py -k "exact_polynomial or gram_equals_standard" \
+python -m pytest -q tests/unit/test_orthogonalization.py -k "exact_polynomial or gram_equals_standard" \
     2>&1 | tee "$out/correctness_cpu.txt"
 python -m dmuon.tools.ns_accuracy --device cuda --dtype float16 --bound 3e-2 \
     2>&1 | tee "$out/correctness_gpu.txt" || echo "GPU correctness FAIL: the other checks go on"

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dmuon.elementwise import finite_flags, local
 from dmuon.exchange import CommCounter, all_gather_bytes, all_reduce_max
 
 Fingerprint = Sequence[tuple[str, str]]
@@ -114,3 +116,53 @@ def agree(
         everyone = all_gather_bytes(json.dumps(list(fingerprint)).encode(), group, device)
         raise ValueError(first_difference([json.loads(b.decode()) for b in everyone], what))
     return None if payload is None else reduced[HEADER_LEN:]
+
+
+def agree_on_gradients(groups: Sequence[dict], muon: Sequence[tuple], here: Sequence[bool], policy: str,
+                       group: dist.ProcessGroup | None, device: torch.device, words: tuple[int, int, int],
+                       counter: CommCounter, names: Callable[[], list[str]]) -> list[bool] | None:
+    """Which Muon parameters of ``muon`` ((name, param, group, view)) to step, or None to skip
+    the whole step; ``here``: whether this rank steps each (owner sharding).
+
+    Under torch.distributed every rank must take the same decisions (or the collectives would
+    not match), so the flags travel in the step's agreement all-reduce: the step is skipped if
+    any rank saw a non-finite gradient (``policy`` "skip"; "raise" raises on every rank;
+    "ignore" checks nothing), and a Muon parameter is stepped only if every rank has its
+    gradient. The flags stay on the device until that all-reduce: reading its result is the
+    step's one host synchronization (on CUDA; none follows).
+    """
+    params = [p for g in groups for p in g["params"]]
+    mine = {id(p): ok for (_, p, _, _), ok in zip(muon, here)}
+    checked = [i for i, p in enumerate(params) if p.grad is not None and mine.get(id(p), True)]
+    grads = [local(params[i].grad) for i in checked]
+    sparse = next((i for i, g in zip(checked, grads) if g.is_sparse), None)
+    error, finite = None, None
+    if sparse is not None:  # before any reduction (none runs on sparse tensors), shared with the other ranks
+        error = RuntimeError(f"Muon does not support sparse gradients: {names()[sparse]!r} has one. Use dense "
+                             "gradients (e.g. nn.Embedding(..., sparse=False)).")
+    elif policy != "ignore" and checked:
+        finite = finite_flags(grads)
+    # an owner-sharded parameter's gradient is its owner's business alone: others report none missing
+    no_grad = torch.tensor([float(p.grad is None and ok) for (_, p, _, _), ok in zip(muon, here)])
+    if device.type == "cuda":  # from pinned memory the copy does not wait for the step's kernels
+        no_grad = no_grad.pin_memory().to(device, non_blocking=True)
+    bad = (~finite).any().reshape(1) if finite is not None else torch.zeros(1, dtype=torch.bool)
+    flags = torch.cat([bad.to(device=device, dtype=torch.float32), no_grad.to(device)])
+    if group is not None:  # the agreement's header travels with the flags, in one all-reduce
+        flags = agree("step", None, group, device, payload=flags, words=words, error=error, counter=counter)
+    if error is not None:
+        raise error
+    agreed = flags.tolist()  # the one host read
+    if agreed[0] > 0:
+        every = names()
+        where = [every[i] for i, ok in zip(checked, finite.tolist()) if not ok] if finite is not None else []
+        where = where or ["another rank's parameters"]
+        if policy == "raise":
+            raise FloatingPointError(f"Non-finite gradients in {where}.")
+        warnings.warn(f"Muon skipped a step: non-finite gradients in {where}.", stacklevel=4)
+        return None
+    partial = [name for (name, p, _, _), ok, missing in zip(muon, here, agreed[1:])
+               if missing and p.grad is not None and ok]
+    if partial:
+        warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=4)
+    return [not missing and ok for ok, missing in zip(here, agreed[1:])]

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw
 
+from dmuon.hyperparameters import adamw_hyperparameters
 from dmuon.orthogonalization import NSConfig, orthogonalize
 
 def update_momentum(buf: Tensor, grad: Tensor, momentum: Tensor) -> None:
@@ -104,3 +106,45 @@ def apply_updates_all(params: list[Tensor], updates: list[Tensor], lr: float, we
     torch._foreach_mul_(params, 1 - lr * weight_decay)
     torch._foreach_add_(params, [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(params, updates)],
                         alpha=-lr * scale)
+
+
+def update_momentum_of(entries: Sequence[tuple], state: dict, kernels: CompiledKernels | None) -> None:
+    """``B ← μ·B + (1−μ)·G`` for the Muon parameters of ``entries`` ((name, param, group, view)),
+    creating the buffers on the first step; one call per group."""
+    by_group: dict[int, list] = {}
+    for _, p, group, _ in entries:
+        if "momentum_buffer" not in state[p]:
+            state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        by_group.setdefault(id(group), [group]).append(p)
+    for group, *params in by_group.values():
+        bufs = [local(state[p]["momentum_buffer"]) for p in params]
+        grads = [local(p.grad) for p in params]
+        if kernels is not None:
+            mu = scalar(group["momentum"], bufs[0].device)
+            for buf, grad in zip(bufs, grads):
+                kernels.update_momentum(buf, grad, mu)
+        else:
+            update_momentum_all(bufs, grads, group["momentum"])
+
+
+def adamw_step(group: dict, state: dict) -> None:
+    """torch's AdamW on a group's AdamW parameters that have gradients, with the group's AdamW
+    hyperparameters (:func:`dmuon.hyperparameters.adamw_hyperparameters`)."""
+    params = [p for p, alg in zip(group["params"], group["algorithms"]) if alg == "adamw" and p.grad is not None]
+    for p in params:
+        if not state[p]:
+            state[p]["step"] = torch.zeros((), dtype=torch.float32)
+            state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if not params:
+        return
+    hyper = adamw_hyperparameters(group)
+    beta1, beta2 = hyper["betas"]
+    adamw(
+        params, [p.grad for p in params],
+        [state[p]["exp_avg"] for p in params], [state[p]["exp_avg_sq"] for p in params],
+        [], [state[p]["step"] for p in params],
+        amsgrad=False, beta1=beta1, beta2=beta2, lr=hyper["lr"],
+        weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=False,
+        foreach=not isinstance(hyper["lr"], Tensor),  # torch's foreach AdamW takes a float lr only
+    )

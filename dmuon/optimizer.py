@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -12,22 +11,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.optim.adamw import adamw as adamw_update
 
 from dmuon import param_groups
-from dmuon.agreement import agree, digest_words
+from dmuon.agreement import agree, agree_on_gradients, digest_words
 from dmuon.cuda_graphs import GraphedOrthogonalize
-from dmuon.elementwise import compile_kernels, finite_flags, local, scalar, update_momentum_all
+from dmuon.elementwise import adamw_step, compile_kernels, update_momentum_of
 from dmuon.engine import Orthogonalizer, StepStats
-from dmuon.exchange import all_reduce_max, all_reduce_sum, default_device
+from dmuon.exchange import default_device
 from dmuon.hyperparameters import (
-    NONFINITE_POLICIES, EngineOptions, adamw_hyperparameters, adamw_options, ns_config, validate_adamw_group,
-    validate_muon_group,
+    NONFINITE_POLICIES, EngineOptions, adamw_options, ns_config, validate_adamw_group, validate_muon_group,
 )
 from dmuon.layout import owned_by
 from dmuon.orthogonalization import NORMALIZATION_EPS, orthogonalize
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
 from dmuon.routing import Route, matrix_shape, module_roles
+from dmuon.statistics import step_statistics
 from dmuon.step_plan import MuonEntry, StepPlan, StepPlanner, StepValues, plan_key, steps_here
 
 
@@ -300,29 +298,9 @@ class Muon(torch.optim.Optimizer):
         the job's: update RMS over whole matrices, sums of the counts, the slowest rank's
         ``ns_seconds``.
         """
-        stats = self._engine.stats
-        labels = [self._group_label(g) for g in self.param_groups if "muon" in g["algorithms"]]
-        squares = [self._update_squares.get(label, [torch.zeros(()), 0]) for label in labels]
-        sums = torch.tensor([float(sq) for sq, _ in squares] + [n for _, n in squares], dtype=torch.float64)
-        counts = torch.tensor([stats.matrices_orthogonalized, stats.ns_flops, stats.bytes_sent, stats.collectives],
-                              dtype=torch.float64)
-        seconds = torch.tensor([stats.ns_seconds], dtype=torch.float64)
-        group = self._agreement_group()
-        if all_ranks and group is not None:
-            sums, counts, seconds = (t.to(self._collective_device()) for t in (sums, counts, seconds))
-            all_reduce_sum(sums, group)
-            all_reduce_sum(counts, group)
-            all_reduce_max(seconds, group)
-        out = {}
-        for i, label in enumerate(labels):
-            numel = sums[len(labels) + i].item()
-            out[f"muon/update_rms/{label}"] = math.sqrt(sums[i].item() / numel) if numel else 0.0
-        for group_ in self.param_groups:
-            out[f"lr/{self._group_label(group_)}"] = float(group_["lr"])
-        matrices, flops, sent, collectives = counts.tolist()
-        out.update(ns_seconds=seconds.item(), ns_gflop=flops / 1e9, matrices=matrices, bytes_sent=sent,
-                   collectives=collectives, skipped_steps=float(self.skipped_steps))
-        return out
+        return step_statistics(self._engine.stats, self._update_squares, self.param_groups, self._group_label,
+                               self.skipped_steps, self._agreement_group() if all_ranks else None,
+                               self._collective_device())
 
     # ------------------------------------------------------------------ state
 
@@ -397,61 +375,21 @@ class Muon(torch.optim.Optimizer):
                 # then names every parameter, as torch.distributed.checkpoint requires to load.
                 self.state[p]
         entries = [e for e, keep in zip(muon, stepped) if keep]
-        self._update_momentum(entries)
+        update_momentum_of(entries, self.state, self._kernels)
         for group in self.param_groups:
-            self._adamw(group)
+            adamw_step(group, self.state)
         if entries:
             plan = self._step_plan(entries)
             self._engine.run(plan.prepared, StepValues(plan, self.state, self._kernels, self._update_squares))
         return loss
 
     def _agree_on_gradients(self, muon: list[MuonEntry], here: list[bool]) -> list[bool] | None:
-        """Which Muon parameters to step, or None to skip the whole step.
-
-        Under torch.distributed every rank must take the same decisions (or the collectives
-        would not match), so the flags are combined with one all-reduce first: the step is
-        skipped if any rank saw a non-finite gradient, and a Muon parameter is stepped only if
-        every rank has its gradient. The flags stay on the device until that all-reduce: reading
-        its result is the step's one host synchronization (on CUDA; none follows).
-        """
-        device = self._collective_device()
-        params = [p for group in self.param_groups for p in group["params"]]
-        checked = [i for i, p in enumerate(params) if p.grad is not None and steps_here(p)]
-        grads = [local(params[i].grad) for i in checked]
-        sparse = next((i for i, g in zip(checked, grads) if g.is_sparse), None)
-        error, finite = None, None
-        if sparse is not None:  # before any reduction (none runs on sparse tensors), shared with the other ranks
-            error = RuntimeError(f"Muon does not support sparse gradients: {self._names()[sparse]!r} has one. Use "
-                                 "dense gradients (e.g. nn.Embedding(..., sparse=False)).")
-        elif self.defaults["nonfinite_grads"] != "ignore" and checked:
-            finite = finite_flags(grads)
-        # an owner-sharded parameter's gradient is its owner's business alone: others report none missing
-        no_grad = torch.tensor([float(p.grad is None and mine) for (_, p, _, _), mine in zip(muon, here)])
-        if device.type == "cuda":  # from pinned memory the copy does not wait for the step's kernels
-            no_grad = no_grad.pin_memory().to(device, non_blocking=True)
-        bad = (~finite).any().reshape(1) if finite is not None else torch.zeros(1, dtype=torch.bool)
-        flags = torch.cat([bad.to(device=device, dtype=torch.float32), no_grad.to(device)])
-        group = self._agreement_group()
-        if group is not None:  # the agreement's header travels with the flags, in one all-reduce
-            flags = agree("step", None, group, device, payload=flags, words=self._fingerprint_words,
-                          error=error, counter=self._engine.counter)
-        if error is not None:
-            raise error
-        agreed = flags.tolist()  # the one host read
-        if agreed[0] > 0:
-            names = self._names()
-            where = [names[i] for i, ok in zip(checked, finite.tolist()) if not ok] if finite is not None else []
-            where = where or ["another rank's parameters"]
-            if self.defaults["nonfinite_grads"] == "raise":
-                raise FloatingPointError(f"Non-finite gradients in {where}.")
-            self.skipped_steps += 1
-            warnings.warn(f"Muon skipped a step: non-finite gradients in {where}.", stacklevel=3)
-            return None
-        partial = [name for (name, p, _, _), mine, missing in zip(muon, here, agreed[1:])
-                   if missing and p.grad is not None and mine]
-        if partial:
-            warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=3)
-        return [not missing and mine for mine, missing in zip(here, agreed[1:])]
+        """Which Muon parameters to step, or None to skip the whole step (:func:`agree_on_gradients`)."""
+        stepped = agree_on_gradients(self.param_groups, muon, here, self.defaults["nonfinite_grads"],
+                                     self._agreement_group(), self._collective_device(), self._fingerprint_words,
+                                     self._engine.counter, self._names)
+        self.skipped_steps += stepped is None
+        return stepped
 
     def _names(self) -> list[str]:
         """Every parameter's name, in group order (unnamed: ``"group{g}.param{i}"``)."""
@@ -469,43 +407,3 @@ class Muon(torch.optim.Optimizer):
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         return self._process_group or dist.group.WORLD
-
-    def _update_momentum(self, entries: list[MuonEntry]) -> None:
-        """``B ← μ·B + (1−μ)·G`` for every stepped Muon parameter, one call per group."""
-        by_group: dict[int, list[Tensor]] = {}
-        for _, p, group, _ in entries:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            by_group.setdefault(id(group), [group]).append(p)
-        for group, *params in by_group.values():
-            bufs = [local(self.state[p]["momentum_buffer"]) for p in params]
-            grads = [local(p.grad) for p in params]
-            if self._kernels is not None:
-                mu = scalar(group["momentum"], bufs[0].device)
-                for buf, grad in zip(bufs, grads):
-                    self._kernels.update_momentum(buf, grad, mu)
-            else:
-                update_momentum_all(bufs, grads, group["momentum"])
-
-    def _adamw(self, group: dict[str, Any]) -> None:
-        params = [p for p, alg in zip(group["params"], group["algorithms"]) if alg == "adamw" and p.grad is not None]
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if not params:
-            return
-        hyper = adamw_hyperparameters(group)
-        beta1, beta2 = hyper["betas"]
-        adamw_update(
-            params, [p.grad for p in params],
-            [self.state[p]["exp_avg"] for p in params],
-            [self.state[p]["exp_avg_sq"] for p in params],
-            [], [self.state[p]["step"] for p in params],
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=hyper["lr"],
-            weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=False,
-            foreach=not isinstance(hyper["lr"], Tensor),  # torch's foreach AdamW takes a float lr only
-        )

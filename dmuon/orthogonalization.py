@@ -19,7 +19,7 @@ Two algorithms compute the same composition:
 Every matrix is processed as a 3-D batch ``(B, m, n)`` with batched kernels. Whether a matrix
 then gives bitwise the same result alone (B = 1) as stacked with others of its shape — what the
 distributed engine needs to match the single-process step exactly — is up to the GEMM kernels.
-Measured on CPU (2-core Xeon, AVX-512, MKL 2024.2; tests/test_numerics_edge_cases.py): always in
+Measured on CPU (2-core Xeon, AVX-512, MKL 2024.2; tests/unit/test_numerics_edge_cases.py): always in
 bf16; in fp32 and fp64 with one intra-op thread (``torch.get_num_threads() == 1``) — with more,
 MKL may split a lone matrix's products over the threads but runs a stack's one per thread, and
 the results differ by rounding (at 2 threads up to 2e-6 max |Δ| for standard NS, 3.5e-5 for
@@ -161,7 +161,7 @@ def default_gram_restarts(coefficients: CoefficientsSpec, steps: int) -> tuple[i
     while at least two steps follow (a restart costs two passes over the long side, so one
     in the last step would not pay for itself). Searching all one- and two-restart positions
     in fp16 on near-low-rank 64×256 inputs, this rule came within 1.1× of the most accurate
-    choice for every named schedule at 6 and 7 steps (tests/test_orthogonalization.py holds
+    choice for every named schedule at 6 and 7 steps (tests/unit/test_orthogonalization.py holds
     it below the error of standard NS in bf16).
     """
     if isinstance(coefficients, str) and (coefficients, steps) in _MEASURED_GRAM_RESTARTS:

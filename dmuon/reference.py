@@ -3,29 +3,45 @@
 It is the yardstick the tests hold the fast path (:class:`dmuon.Muon`) and the distributed
 paths against: same algorithm, written as directly as possible. Pair it with
 ``torch.optim.AdamW`` for the parameters that Muon does not update.
+
+It computes the momentum, the update and the lr factor itself. From the package it takes only
+the Newton–Schulz core (``dmuon.orthogonalization.newton_schulz``, tested on its own against the
+exact polynomial) and what configures it: Muon's defaults, and how a parameter is read as
+matrices and row blocks (``dmuon.routing.matrix_shape``, ``block_rows``).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dmuon.hyperparameters import MUON_KEYS, adjusted_lr_ratio
 from dmuon.optimizer import Muon
 from dmuon.orthogonalization import newton_schulz
 from dmuon.routing import block_rows, matrix_shape
 
+# The hyperparameters the reference's step reads, listed here rather than taken from the fast
+# path. Their defaults are Muon's own (read from its signature), so the two cannot drift apart;
+# a key Muon no longer takes fails here, at import.
+HYPERPARAMETERS = (
+    "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+    "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts", "ns_blocks",
+)
+_DEFAULTS = {name: inspect.signature(Muon.__init__).parameters[name].default for name in HYPERPARAMETERS}
 
-# The reference takes Muon's own defaults, so the two cannot drift apart.
-_DEFAULTS = {
-    name: parameter.default
-    for name, parameter in inspect.signature(Muon.__init__).parameters.items()
-    if name in MUON_KEYS
-}
+
+def lr_factor(adjust_lr_fn: str | None, m: int, n: int) -> float:
+    """The lr multiplier of an m×n matrix (its own copy, not the fast path's): "original" or
+    None (Keller) √max(1, m/n); "match_rms_adamw" (Moonlight) 0.2·√max(m, n)."""
+    if adjust_lr_fn in (None, "original"):
+        return math.sqrt(max(1.0, m / n))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(m, n))
+    raise ValueError(f"Invalid adjust_lr_fn={adjust_lr_fn!r}. Must be None, 'original' or 'match_rms_adamw'.")
 
 
 class ReferenceMuon(torch.optim.Optimizer):
@@ -33,9 +49,9 @@ class ReferenceMuon(torch.optim.Optimizer):
     :class:`dmuon.Muon`'s Muon hyperparameters (``lr``, ``momentum``, ``ns_*``, …)."""
 
     def __init__(self, params: Iterable[Tensor], matrix_view: str = "auto", **hyperparameters: Any) -> None:
-        unknown = set(hyperparameters) - set(MUON_KEYS)
+        unknown = set(hyperparameters) - set(HYPERPARAMETERS)
         if unknown:
-            raise TypeError(f"Unknown hyperparameters {sorted(unknown)}; expected some of {MUON_KEYS}.")
+            raise TypeError(f"Unknown hyperparameters {sorted(unknown)}; expected some of {HYPERPARAMETERS}.")
         super().__init__(params, {**_DEFAULTS, **hyperparameters, "matrix_view": matrix_view})
 
     @torch.no_grad()
@@ -59,10 +75,10 @@ class ReferenceMuon(torch.optim.Optimizer):
                 rows = block_rows(group["ns_blocks"], m)
                 if len(rows) == 1:
                     update = torch.stack([self._orthogonalize(matrices[i], group) for i in range(count)])
-                    scale = adjusted_lr_ratio(group["adjust_lr_fn"], m, n)
+                    scale = lr_factor(group["adjust_lr_fn"], m, n)
                 else:  # fused weights: every block orthogonalized and scaled for its own shape
                     update = torch.stack([
-                        torch.cat([self._orthogonalize(block, group) * adjusted_lr_ratio(group["adjust_lr_fn"], r, n)
+                        torch.cat([self._orthogonalize(block, group) * lr_factor(group["adjust_lr_fn"], r, n)
                                    for block, r in zip(matrices[i].split(rows), rows)])
                         for i in range(count)
                     ])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import shutdown_pools
+from tests.harness import shutdown_pools
 
 
 @pytest.hookimpl(trylast=True)

@@ -16,6 +16,6 @@
 
 Nothing in the product (``dmuon/*.py``: the optimizer, plan, strategies, exchange,
 Newton–Schulz core and kernels, owner sharding, integrations) imports these modules:
-``import dmuon`` and an optimizer step never load them (``tests/test_package_layout.py``).
+``import dmuon`` and an optimizer step never load them (``tests/unit/test_package_layout.py``).
 Timing the product needs itself (``symmetric_products="auto"``) lives in :mod:`dmuon.timing`.
 """

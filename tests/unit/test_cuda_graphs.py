@@ -10,12 +10,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 import dmuon
 from dmuon.cuda_graphs import GraphedOrthogonalize, eager_replay
 from dmuon.orthogonalization import orthogonalize, resolve_config
-from tests.distributed import run_on_ranks
+from tests.harness import run_on_ranks
+from tests.helpers import full_tensor
 
 
 def test_replays_equal_the_plain_calls_and_never_alias():
@@ -63,7 +63,7 @@ def train(parallel: str | None, graphs: bool) -> list[torch.Tensor]:
         opt.step()
     if graphs:
         assert opt._engine.orthogonalize.replays  # the calls went through the replay path
-    return [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()]
+    return [full_tensor(p) for p in model.parameters()]
 
 
 @pytest.mark.parametrize("parallel,world", [(None, 1), ("fsdp", 2)])

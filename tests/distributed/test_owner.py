@@ -1,7 +1,7 @@
 """Owner-sharded data parallel (``dmuon.shard_by_owner``), on real gloo ranks at world sizes 1–4:
 end-to-end parity with one process (Z2, Z3, gradient accumulation, composed with FSDP2), the
 exact bytes per step, identical parameters before every forward, memory per rank as planned,
-ranks that own nothing, and the errors. Checkpoints across world sizes: tests/test_checkpoint.py.
+ranks that own nothing, and the errors. Checkpoints across world sizes: tests/distributed/test_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from torch.distributed.fsdp import fully_shard
 import dmuon
 from dmuon.layout import owned_by
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
-from tests.distributed import run_on_ranks
-from tests.test_distributed_step import error_of
-from tests.test_training_parity import GLOBAL_BATCH, HPARAMS, SEQ_LEN, STEPS, train as train_reference
+from tests.harness import run_on_ranks
+from tests.helpers import GLOBAL_BATCH, SEQ_LEN, error_of, single_process
+from tests.helpers import LLAMA_HPARAMS as HPARAMS, LLAMA_STEPS as STEPS, train_llama as train_reference
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -99,8 +99,7 @@ def train_owner(reshard_after_forward: bool = False, accumulate: int = 1, with_f
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    torch.set_num_threads(1)
-    return train_reference(None)
+    return single_process(train_reference, None)
 
 
 @pytest.mark.parametrize("world,z3,accumulate,with_fsdp", [

@@ -18,7 +18,8 @@ import dmuon
 from dmuon.layout import Layout
 from dmuon.orthogonalization import newton_schulz_flops, resolve_config
 from dmuon.planner import Unit, choose_gangs, gang_costs
-from tests.distributed import run_on_ranks
+from tests.harness import run_on_ranks
+from tests.helpers import dcp_load, dcp_save, full_tensor
 
 HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=torch.float32)
 
@@ -105,8 +106,7 @@ def split_steps(case: str, parallel: str | None, steps: int = 2) -> dict:
             p.grad = place(init(i, s, step + 1))
         opt.step()
     assert [tuple(p.placements) for p in params if isinstance(p, DTensor)] == before  # placements unchanged
-    full = [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in params]
-    return dict(params=full, gangs=opt.last_step_stats.gangs)
+    return dict(params=[full_tensor(p) for p in params], gangs=opt.last_step_stats.gangs)
 
 
 @pytest.mark.parametrize("parallel,case,world,gang_sizes", [
@@ -141,9 +141,6 @@ class Matrices(nn.Module):
 def resume_with_gangs(path: str, case: str, steps: int, save_after: int | None) -> dict:
     """``steps`` steps of a case under DDP-style replication; a DCP checkpoint after
     ``save_after`` steps, then a fresh model and optimizer loaded from it for the rest."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     torch.set_num_threads(1)
     shapes = CASES[case]
 
@@ -155,13 +152,9 @@ def resume_with_gangs(path: str, case: str, steps: int, save_after: int | None) 
     gangs = {}
     for step in range(steps):
         if step == save_after:
-            model_sd, optim_sd = get_state_dict(model, opt)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            dcp_save(model, opt, path)
             model, opt = fresh()
-            model_sd, optim_sd = get_state_dict(model, opt)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            dcp_load(model, opt, path)
         for i, (p, s) in enumerate(zip(model.weights, shapes)):
             p.grad = init(i, s, step + 1)
         opt.step()

@@ -1,4 +1,4 @@
-"""Tests of the multi-process harness in ``tests/distributed.py``."""
+"""Tests of the multi-process harness in ``tests/harness.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import WORLD_SIZES, WorkerError, run_on_ranks
+from tests.harness import WORLD_SIZES, WorkerError, run_on_ranks
 
 # Short gloo timeout for the hang test; a pool of its own, so others keep the default.
 _SHORT_COLLECTIVE_TIMEOUT_S = 5.0

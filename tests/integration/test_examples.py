@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 import dmuon
 from dmuon.layout import owned_by
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
-from tests.distributed import run_on_ranks
+from tests.harness import run_on_ranks
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TRAIN = EXAMPLES / "train_gpt.py"
 
 

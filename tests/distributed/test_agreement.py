@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 import dmuon
-from tests.distributed import run_on_ranks
-from tests.test_distributed_step import error_of
+from tests.harness import run_on_ranks
+from tests.helpers import error_of
 
 SHAPES = [(8, 4), (6, 6)]
 

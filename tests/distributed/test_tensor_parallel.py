@@ -1,17 +1,15 @@
 """Tensor parallel (row-wise ``Shard(1)``, column-wise ``Shard(0)``) and FSDP + tensor parallel on a
 2×2 mesh: ``dmuon.Muon`` orthogonalizes each full logical matrix once, and training matches one
 process to the tolerance of the reduction order; placements never change; a TP checkpoint loads
-into one process (unsupported layouts: tests/test_distributed_step.py)."""
+into one process (unsupported layouts: tests/distributed/test_distributed_step.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -19,7 +17,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import dmuon
 from dmuon.orthogonalization import orthogonalize, orthogonalize_column_blocks, resolve_config
-from tests.distributed import run_on_ranks
+from tests.harness import run_on_ranks
+from tests.helpers import dcp_load, dcp_save, full_tensor, single_process
 
 HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=torch.float32)
 STEPS, GLOBAL_BATCH = 3, 12  # divisible by every data-parallel size used (2, 3)
@@ -39,10 +38,6 @@ class MLP(nn.Module):
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 24, generator=g)
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
 def build(parallel: str | None, **options) -> tuple[nn.Module, dmuon.Muon, int, int]:
@@ -76,15 +71,14 @@ def train(parallel: str | None, **options) -> dict:
         opt.step()
         losses.append(loss.item())
     placements_after = {n: tuple(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
-    return dict(params={n: full(p) for n, p in model.named_parameters()}, losses=losses,
+    return dict(params={n: full_tensor(p) for n, p in model.named_parameters()}, losses=losses,
                 placements=(placements_before, placements_after), matrices=opt.last_step_stats.matrices_orthogonalized,
                 planned=[len(plan.units) for plan in opt.plans])
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    torch.set_num_threads(1)
-    return train(None)
+    return single_process(train, None)
 
 
 @pytest.mark.parametrize("parallel,world", [("tp", 2), ("tp", 4), ("fsdp+tp", 4)])
@@ -105,20 +99,16 @@ def save_and_load_tp(path: str) -> dict:
     x, y = batch(0)
     F.mse_loss(model(x), y).backward()
     opt.step()
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    return dict(params={n: full(p) for n, p in model.named_parameters()},
-                momentum={n: full(opt.state[p]["momentum_buffer"]) for n, p in model.named_parameters() if p.ndim == 2})
+    dcp_save(model, opt, path)
+    return dict(params={n: full_tensor(p) for n, p in model.named_parameters()},
+                momentum={n: full_tensor(opt.state[p]["momentum_buffer"]) for n, p in model.named_parameters() if p.ndim == 2})
 
 
 def load_plain(path: str) -> dict:
     model, opt, _, _ = build(None)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return dict(params={n: full(p) for n, p in model.named_parameters()},
-                momentum={n: full(opt.state[p]["momentum_buffer"]) for n, p in model.named_parameters() if p.ndim == 2})
+    dcp_load(model, opt, path)
+    return dict(params={n: full_tensor(p) for n, p in model.named_parameters()},
+                momentum={n: full_tensor(opt.state[p]["momentum_buffer"]) for n, p in model.named_parameters() if p.ndim == 2})
 
 
 def test_tensor_parallel_checkpoint_loads_in_one_process(tmp_path):

@@ -14,71 +14,40 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 import dmuon
 from dmuon.agreement import HEADER_LEN
 from dmuon.reference import ReferenceMuon
-from tests.distributed import WORLD_SIZES, run_on_ranks
+from tests.harness import WORLD_SIZES, run_on_ranks
+from tests.helpers import (
+    as_layout,
+    dcp_load,
+    dcp_save,
+    error_of,
+    full_tensor,
+    full_tensors,
+    local,
+    params_and_reference,
+    placements_for,
+    rows_of,
+    step_with_reference,
+)
 
 SHAPES = [(64, 32), (32, 96), (48, 48), (7, 5), (3, 16), (3, 8, 12), (16, 96), (16, 96)]
 HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, ns_method="standard", ns_dtype=torch.float32)
 
 
-def full_tensors(shapes, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g) for s in shapes]
-
-
-def placements_for(layout: str, world: int):
-    """(mesh or None, placements) for a layout name."""
-    if layout == "ddp":
-        return None, None
-    if layout == "fsdp":
-        return init_device_mesh("cpu", (world,)), [Shard(0)]
-    replicas = 2 if world % 2 == 0 else 1
-    mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
-    return mesh, [Replicate(), Shard(0)]
-
-
-def as_layout(tensor: torch.Tensor, mesh, placements) -> torch.Tensor:
-    return tensor.clone() if mesh is None else distribute_tensor(tensor.clone(), mesh, placements)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def rows_of(full: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
-    """The rows of ``full`` that this rank's piece of ``sharded`` holds."""
-    if not isinstance(sharded, DTensor):
-        return full
-    shard_dim = [i for i, p in enumerate(sharded.placements) if isinstance(p, Shard)]
-    if not shard_dim:
-        return full
-    mesh_dim = shard_dim[0]
-    size, index = sharded.device_mesh.size(mesh_dim), sharded.device_mesh.get_local_rank(mesh_dim)
-    chunks = list(torch.chunk(full, size, dim=0))
-    return chunks[index] if index < len(chunks) else full[:0]
-
-
 def step_parity(layout: str, shapes, steps: int, replica_split, comm_dtype=None, seed: int = 0) -> dict:
     world = dist.get_world_size()
     mesh, placements = placements_for(layout, world)
-    init = full_tensors(shapes, seed)
-    params = [nn.Parameter(as_layout(t, mesh, placements)) for t in init]
-    ref_params = [nn.Parameter(t.clone()) for t in init]
+    params, ref_params = params_and_reference(full_tensors(shapes, seed), mesh, placements)
     opt = dmuon.Muon([{"params": params, "algorithm": "muon"}], replica_split=replica_split,
                      comm_dtype=comm_dtype, **HPARAMS)
     ref = ReferenceMuon(ref_params, **HPARAMS)
     stats = []
     for step in range(steps):
-        grads = full_tensors(shapes, seed=100 + step)
-        for p, r, g in zip(params, ref_params, grads):
-            p.grad = as_layout(g, mesh, placements)
-            r.grad = g.clone()
-        opt.step()
-        ref.step()
+        step_with_reference(opt, ref, params, ref_params, full_tensors(shapes, seed=100 + step), mesh, placements)
         stats.append(opt.last_step_stats)
     # expert stacks sharded on dim 0 are orthogonalized locally: a plan of their own
     positions = [(plan, plan.units[0].layout.group_ranks.index(dist.get_rank())) for plan in opt.plans]
@@ -210,19 +179,14 @@ def test_missing_gradients_on_all_or_some_ranks():
 def adamw_group_empty_on_some_ranks() -> dict:
     """An AdamW group that holds a tensor on rank 0 only (element-wise and local, so allowed),
     beside a Muon group that every rank shares: Muon parity still holds."""
-    init = full_tensors(SHAPES[:3], 0)
-    params = [nn.Parameter(t.clone()) for t in init]
-    ref_params = [nn.Parameter(t.clone()) for t in init]
+    params, ref_params = params_and_reference(full_tensors(SHAPES[:3], 0))
     extra = [nn.Parameter(torch.ones(3))] if dist.get_rank() == 0 else []
     opt = dmuon.Muon([{"params": params, "algorithm": "muon"}, {"params": extra, "algorithm": "adamw"}], **HPARAMS)
     ref = ReferenceMuon(ref_params, **HPARAMS)
     for step in range(2):
-        for p, r, g in zip(params, ref_params, full_tensors(SHAPES[:3], 100 + step)):
-            p.grad, r.grad = g.clone(), g.clone()
         for e in extra:
             e.grad = torch.ones(3)
-        opt.step()
-        ref.step()
+        step_with_reference(opt, ref, params, ref_params, full_tensors(SHAPES[:3], 100 + step))
     return dict(equal=all(torch.equal(p, r) for p, r in zip(params, ref_params)),
                 extra_moved=[not torch.equal(e, torch.ones(3)) for e in extra])
 
@@ -231,15 +195,6 @@ def test_adamw_group_empty_on_some_ranks():
     results = run_on_ranks(3, adamw_group_empty_on_some_ranks)
     assert all(r["equal"] for r in results)
     assert results[0]["extra_moved"] == [True] and results[1]["extra_moved"] == []
-
-
-def error_of(fn, *args) -> str | None:
-    """Run ``fn`` on this rank; the exception it raised, as "Type: message", or None."""
-    try:
-        fn(*args)
-    except Exception as err:  # noqa: BLE001 - the test inspects whichever error it was
-        return f"{type(err).__name__}: {err}"
-    return None
 
 
 def divergent_lr() -> None:
@@ -359,18 +314,13 @@ def fused_step(layout: str) -> dict:
     """Parameters whose row blocks are orthogonalized separately (``ns_blocks``), one group each."""
     world = dist.get_world_size()
     mesh, placements = placements_for(layout, world)
-    init = full_tensors([shape for shape, _ in FUSED], 0)
-    params = [nn.Parameter(as_layout(t, mesh, placements)) for t in init]
-    ref_params = [nn.Parameter(t.clone()) for t in init]
+    params, ref_params = params_and_reference(full_tensors([shape for shape, _ in FUSED], 0), mesh, placements)
     groups = [{"params": [p], "algorithm": "muon", "ns_blocks": blocks} for p, (_, blocks) in zip(params, FUSED)]
     opt = dmuon.Muon(groups, **HPARAMS)
     ref = ReferenceMuon([{"params": [p], "ns_blocks": blocks} for p, (_, blocks) in zip(ref_params, FUSED)], **HPARAMS)
     for step in range(2):
-        for p, r, g in zip(params, ref_params, full_tensors([shape for shape, _ in FUSED], 100 + step)):
-            p.grad = as_layout(g, mesh, placements)
-            r.grad = g.clone()
-        opt.step()
-        ref.step()
+        grads = full_tensors([shape for shape, _ in FUSED], 100 + step)
+        step_with_reference(opt, ref, params, ref_params, grads, mesh, placements)
     return dict(equal=[torch.equal(local(p), rows_of(r.detach(), p)) for p, r in zip(params, ref_params)],
                 matrices=opt.last_step_stats.matrices_orthogonalized)
 
@@ -387,9 +337,6 @@ def test_fused_weights_blocks_match_single_process(layout, world):
 def expert_checkpoint(path: str, mesh_shape: tuple[int, ...] | None) -> dict:
     """Save (sharded over experts on ``mesh_shape``) or load (``None``: one process) a stack and
     its momentum through torch.distributed.checkpoint."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     model = nn.Module()
     stack = full_tensors([(6, 8, 12)], 0)[0]
     if mesh_shape:
@@ -400,18 +347,10 @@ def expert_checkpoint(path: str, mesh_shape: tuple[int, ...] | None) -> dict:
         model.experts.grad = distribute_tensor(full_tensors([(6, 8, 12)], 1)[0], model.experts.device_mesh,
                                                model.experts.placements)
         opt.step()
-        model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        dcp_save(model, opt, path)
     else:
-        model_sd, optim_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return dict(experts=whole(model.experts), momentum=whole(opt.state[model.experts]["momentum_buffer"]))
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+        dcp_load(model, opt, path)
+    return dict(experts=full_tensor(model.experts), momentum=full_tensor(opt.state[model.experts]["momentum_buffer"]))
 
 
 def test_expert_parallel_checkpoint_loads_in_one_process(tmp_path):

@@ -68,7 +68,7 @@ def interpreter_checks() -> None:
 def test_triton_kernel_under_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed; pip install triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", "from tests.test_triton import interpreter_checks; interpreter_checks()"],
+    done = subprocess.run([sys.executable, "-c", "from tests.unit.test_triton import interpreter_checks; interpreter_checks()"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 
@@ -95,6 +95,6 @@ def auto_on_ranks() -> dict:
 def test_auto_agrees_across_ranks_without_triton():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("this process runs Triton's interpreter")
-    from tests.distributed import run_on_ranks
+    from tests.harness import run_on_ranks
 
     assert run_on_ranks(2, auto_on_ranks) == [{}, {}]

@@ -14,8 +14,8 @@ from torch import nn
 import dmuon
 from dmuon.orthogonalization import newton_schulz, orthogonalize, orthogonalize_column_blocks, resolve_config
 from dmuon.reference import ReferenceMuon
-from tests.distributed import run_on_ranks
-from tests.test_distributed_step import as_layout, local, placements_for, rows_of
+from tests.harness import run_on_ranks
+from tests.helpers import local, params_and_reference, placements_for, rows_of, step_with_reference
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 
@@ -139,17 +139,12 @@ def step_with_empty_matrices(layout: str, distributed_ns: bool | None) -> dict:
     world = dist.get_world_size()
     mesh, placements = placements_for(layout, world)
     init = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(EMPTY_SHAPES)]
-    params = [nn.Parameter(as_layout(t, mesh, placements)) for t in init]
-    ref_params = [nn.Parameter(t.clone()) for t in init]
+    params, ref_params = params_and_reference(init, mesh, placements)
     opt = dmuon.Muon([{"params": params, "algorithm": "muon"}], distributed_ns=distributed_ns, **HPARAMS)
     ref = ReferenceMuon(ref_params, **HPARAMS)
     for step in range(2):
         grads = [torch.randn(s, generator=torch.Generator().manual_seed(10 + step)) for s in EMPTY_SHAPES]
-        for p, r, g in zip(params, ref_params, grads):
-            p.grad = as_layout(g, mesh, placements)
-            r.grad = g.clone()
-        opt.step()
-        ref.step()
+        step_with_reference(opt, ref, params, ref_params, grads, mesh, placements)
     return dict(
         shapes=[tuple(p.shape) for p in params],
         close=[torch.allclose(local(p), rows_of(r.detach(), p), rtol=1e-4, atol=1e-5)

@@ -15,7 +15,7 @@ import torch
 from dmuon.tools import cli, demo
 from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config, param_count
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tiny_batch(step: int = 0, batch: int = 3, seq_len: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

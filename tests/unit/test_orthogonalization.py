@@ -17,6 +17,7 @@ from dmuon.orthogonalization import (
     orthogonalize,
     polar_express_schedule,
 )
+from dmuon.tools.ns_accuracy import compose, exact_polynomial, gradient_like, rel
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
 EXACT_TOL = {F64: 1e-6, F32: 1e-3, BF16: 5e-2, F16: 1e-2}
@@ -24,36 +25,9 @@ SHAPES = [(32, 96), (96, 32), (48, 48), (7, 5)]
 COEFFICIENTS = ["polar_express", "keller", "you"]
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def compose(schedule, x: torch.Tensor) -> torch.Tensor:
-    for a, b, c in schedule:
-        x = a * x + b * x**3 + c * x**5
-    return x
-
-
-def exact_polynomial(G: torch.Tensor, schedule, eps: float = 1e-7) -> torch.Tensor:
-    """U·p(Σ)·Vᵀ in fp64 for the normalized G: what NS computes in exact arithmetic."""
-    X = G.double() / (G.double().norm() + eps)
-    U, S, Vh = torch.linalg.svd(X, full_matrices=False)
-    return U @ torch.diag(compose(schedule, S)) @ Vh
-
-
 def random_matrix(shape, seed: int = 0, dtype=F64) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g, dtype=F64).to(dtype)
-
-
-def gradient_like(m: int, n: int, seed: int = 0) -> torch.Tensor:
-    """Fast-decaying spectrum, as real gradients have (a few directions dominate)."""
-    g = torch.Generator().manual_seed(seed)
-    U, _ = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=F64))
-    V, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=F64))
-    k = min(m, n)
-    return U[:, :k] @ torch.diag(torch.logspace(0, -3, k, dtype=F64)) @ V[:, :k].T
 
 
 # ---------------------------------------------------------------- 1. against the exact polynomial

@@ -24,7 +24,6 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -41,7 +40,8 @@ from torch.distributed.tensor import DTensor, Shard
 import dmuon
 from dmuon.layout import owned_by
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
-from tests.distributed import run_on_ranks
+from tests.harness import run_on_ranks
+from tests.helpers import dcp_load, dcp_save, full_tensor, local
 
 HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, ns_method="standard", ns_dtype=torch.float32)
 GLOBAL_BATCH, SEQ_LEN = 12, 16
@@ -94,11 +94,6 @@ def fqn(name: str) -> str:
     return name.removeprefix("module.")  # DDP's wrapper prefix
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (collective for a DTensor: every rank calls it in the same order)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
-
-
 def from_owner(p: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
     """``t`` (``p`` or a state tensor of ``p``) as its owner holds it, on every rank (collective)."""
     owner = owned_by(p).owner
@@ -107,18 +102,14 @@ def from_owner(p: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t.detach()
-
-
 def snapshot(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     """Full params and full optimizer state, by parameter name, in a rank-independent order."""
     params, state = {}, {}
     for name, p in model.named_parameters():
         if owned_by(p) is None:
-            params[fqn(name)] = full(p)
+            params[fqn(name)] = full_tensor(p)
             for key in sorted(optim.state.get(p, {})):
-                state[f"{fqn(name)}.{key}"] = full(optim.state[p][key])
+                state[f"{fqn(name)}.{key}"] = full_tensor(optim.state[p][key])
             continue
         params[fqn(name)] = from_owner(p, p)
         keys = [sorted(optim.state.get(p, {}))]  # only the owner has state for p
@@ -144,20 +135,6 @@ def state_layout(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     return out
 
 
-def save(model, optim, path: str) -> None:
-    model_sd, optim_sd = get_state_dict(model, optim)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-
-
-def load(model, optim, path: str) -> None:
-    # get_state_dict on a fresh optimizer runs DCP's zero-grad, lr=0 step to create the state
-    # that dcp.load then fills in place.
-    model_sd, optim_sd = get_state_dict(model, optim)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     """An integer view of a float tensor: equal views mean bitwise-equal tensors (-0.0, NaN)."""
     ints = {torch.float32: torch.int32, torch.float64: torch.int64,
@@ -178,13 +155,13 @@ def resume_same_world(layout: str, path: str) -> dict:
     """Uninterrupted run vs a fresh model + optimizer resumed from the step-2 checkpoint."""
     model, optim = build(layout)
     train(model, optim, range(SAVED_AT))
-    save(model, optim, path)
+    dcp_save(model, optim, path)
     saved, saved_layout = snapshot(model, optim), state_layout(model, optim)
     train(model, optim, range(SAVED_AT, SAVED_AT + MORE))
     uninterrupted, uninterrupted_layout = snapshot(model, optim), state_layout(model, optim)
 
     model2, optim2 = build(layout)
-    load(model2, optim2, path)
+    dcp_load(model2, optim2, path)
     loaded, loaded_layout = snapshot(model2, optim2), state_layout(model2, optim2)
     train(model2, optim2, range(SAVED_AT, SAVED_AT + MORE))
     resumed, resumed_layout = snapshot(model2, optim2), state_layout(model2, optim2)
@@ -199,7 +176,7 @@ def save_at_world(path: str, layout: str = "fsdp") -> dict:
     """The reference run: save after SAVED_AT steps, then continue MORE steps."""
     model, optim = build(layout)
     train(model, optim, range(SAVED_AT))
-    save(model, optim, path)
+    dcp_save(model, optim, path)
     saved, saved_layout = snapshot(model, optim), state_layout(model, optim)
     train(model, optim, range(SAVED_AT, SAVED_AT + MORE))
     return dict(saved=saved, continued=snapshot(model, optim), layout=saved_layout)
@@ -207,7 +184,7 @@ def save_at_world(path: str, layout: str = "fsdp") -> dict:
 
 def resume_at_world(layout: str, path: str) -> dict:
     model, optim = build(layout)
-    load(model, optim, path)
+    dcp_load(model, optim, path)
     loaded, loaded_layout = snapshot(model, optim), state_layout(model, optim)
     train(model, optim, range(SAVED_AT, SAVED_AT + MORE))
     return dict(loaded=loaded, continued=snapshot(model, optim), loaded_layout=loaded_layout,

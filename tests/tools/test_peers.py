@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dmuon.tools import demo
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
 from dmuon.tools.peers import PEERS, _rms_matched_groups, available_peers, unavailable_peers
-from tests.distributed import run_on_ranks
+from tests.harness import run_on_ranks
 
 LR, WEIGHT_DECAY, STEPS = 3e-3, 0.1, 3
 # max over hidden matrices of |dp_peer - dp_torch| / |dp_torch| after STEPS steps, dp = p - p0.

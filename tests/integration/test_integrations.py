@@ -23,7 +23,7 @@ from torch import nn
 import dmuon
 from dmuon.integrations import hf_optimizer_cls_and_kwargs, muon_for_model
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
-from tests.distributed import run_on_ranks
+from tests.harness import run_on_ranks
 
 # No network, no telemetry, no tokenizer threads: the tests build everything in code.
 OFFLINE_ENV = {

@@ -1,0 +1,185 @@
+"""Helpers shared by the tests, written once: tensors in a layout and back, the single-process
+reference runs that distributed results are compared with, DCP save and load, and the error a
+rank raised.
+
+Functions here that run on ranks are called inside the workers of ``tests/harness.py``; the ones
+that touch ``torch.distributed`` need its process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
+
+import dmuon
+from dmuon.tools.models import Llama, SyntheticTokens, get_config
+
+# ---------------------------------------------------------------- tensors in a layout and back
+
+
+def full_tensors(shapes, seed: int) -> list[torch.Tensor]:
+    """Random full tensors of ``shapes``, the same on every rank for the same ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def placements_for(layout: str, world: int):
+    """(mesh or None, placements) for a layout name: "ddp" (plain tensors), "fsdp" (``Shard(0)``
+    on a 1-D mesh) or "hsdp" (``(Replicate(), Shard(0))``, 2 replicas when ``world`` is even)."""
+    if layout == "ddp":
+        return None, None
+    if layout == "fsdp":
+        return init_device_mesh("cpu", (world,)), [Shard(0)]
+    replicas = 2 if world % 2 == 0 else 1
+    mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    return mesh, [Replicate(), Shard(0)]
+
+
+def as_layout(tensor: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """A copy of the full ``tensor``, distributed on ``mesh`` (a plain copy when ``mesh`` is None)."""
+    return tensor.clone() if mesh is None else distribute_tensor(tensor.clone(), mesh, placements)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``t`` (the tensor itself, detached, when it is not a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t.detach()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (collective for a DTensor: every rank calls it in the same order)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def rows_of(full: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
+    """The rows of ``full`` that this rank's piece of ``sharded`` holds."""
+    if not isinstance(sharded, DTensor):
+        return full
+    shard_dim = [i for i, p in enumerate(sharded.placements) if isinstance(p, Shard)]
+    if not shard_dim:
+        return full
+    mesh_dim = shard_dim[0]
+    size, index = sharded.device_mesh.size(mesh_dim), sharded.device_mesh.get_local_rank(mesh_dim)
+    chunks = list(torch.chunk(full, size, dim=0))
+    return chunks[index] if index < len(chunks) else full[:0]
+
+
+# ---------------------------------------------------------------- single-process references
+
+
+def params_and_reference(init: list[torch.Tensor], mesh=None, placements=None
+                         ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Parameters from the full tensors ``init`` in a layout, and their single-process copies."""
+    params = [nn.Parameter(as_layout(t, mesh, placements)) for t in init]
+    ref_params = [nn.Parameter(t.clone()) for t in init]
+    return params, ref_params
+
+
+def step_with_reference(opt: torch.optim.Optimizer, ref: torch.optim.Optimizer, params, ref_params,
+                        grads: list[torch.Tensor], mesh=None, placements=None) -> None:
+    """One step of ``opt`` on ``params`` (in the layout of ``mesh``/``placements``) and of the
+    single-process ``ref`` on ``ref_params``, both given the same full ``grads``."""
+    for p, r, g in zip(params, ref_params, grads):
+        p.grad = as_layout(g, mesh, placements)
+        r.grad = g.clone()
+    opt.step()
+    ref.step()
+
+
+def single_process(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in this process with one intra-op thread, as every rank runs: the
+    single-process reference that the ranks' results are compared with."""
+    torch.set_num_threads(1)
+    return fn(*args, **kwargs)
+
+
+# The tiny Llama run of the training-parity and owner-sharding tests.
+LLAMA_STEPS, GLOBAL_BATCH, SEQ_LEN = 5, 12, 16
+LLAMA_HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=torch.float32)
+
+
+def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = torch.float32,
+                mixed_precision: bool = False) -> dict:
+    """Train the tiny model; ``parallel`` None is the single-process reference, else "ddp",
+    "fsdp" or "hsdp" with the data split across ranks.
+
+    ``dtype``: the parameters' dtype; ``mixed_precision``: FSDP2 computes in bf16 and reduces
+    in fp32 while its sharded parameters stay fp32.
+    """
+    config = get_config("tiny")
+    model = Llama(config, seed=0).to(dtype)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if parallel else (0, 1)
+    if parallel == "ddp":
+        model = DistributedDataParallel(model)
+    elif parallel in ("fsdp", "hsdp"):
+        shape = (2, world // 2) if parallel == "hsdp" else (world,)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, **({"mp_policy": policy} if policy else {}))
+        fully_shard(model, mesh=mesh, **({"mp_policy": policy} if policy else {}))
+    opt = dmuon.Muon(model, replica_split=replica_split, **LLAMA_HPARAMS)
+    data = SyntheticTokens(config.vocab_size, seed=0)
+    losses = []
+    for step in range(LLAMA_STEPS):
+        inputs, targets = data.local_batch(step, GLOBAL_BATCH, SEQ_LEN, rank, world)
+        loss = lm_loss(model, inputs, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        global_loss = loss.detach().clone()
+        if parallel:
+            dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+        losses.append(global_loss.item())
+    params = {
+        name.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+    state_dtypes = {v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"}
+    return dict(losses=losses, params=params, state_dtypes=state_dtypes)
+
+
+def lm_loss(model, inputs, targets):
+    """``Llama.loss`` through the (possibly DDP-wrapped) module's own forward, so DDP's hooks fire."""
+    logits = model(inputs)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# ---------------------------------------------------------------- torch.distributed.checkpoint
+
+
+def dcp_save(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
+    """Save the model and optimizer state through DCP (sharded, every rank its own part)."""
+    model_sd, optim_sd = get_state_dict(model, optim)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def dcp_load(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
+    """Load what :func:`dcp_save` saved, at this world size and in this layout, in place."""
+    # get_state_dict on a fresh optimizer runs DCP's zero-grad, lr=0 step to create the state
+    # that dcp.load then fills in place.
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+# ---------------------------------------------------------------- errors
+
+
+def error_of(fn, *args) -> str | None:
+    """Run ``fn`` on this rank; the exception it raised, as "Type: message", or None."""
+    try:
+        fn(*args)
+    except Exception as err:  # noqa: BLE001 - the test inspects whichever error it was
+        return f"{type(err).__name__}: {err}"
+    return None
