@@ -135,7 +135,7 @@ def _group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
 
 
 def detect_layout(
-    param: Tensor, name: str, process_group: dist.ProcessGroup | None, split_replicas: bool,
+    param: Tensor, name: str, process_group: dist.ProcessGroup | None, *, split_replicas: bool,
     stack: bool = False,
 ) -> tuple[Layout, dist.ProcessGroup | None]:
     """The layout of ``param`` and the process group its exchange runs on (None: no exchange).

@@ -78,7 +78,7 @@ class StepPlan:
     chunks: dict[tuple[int, ...], list[list[int]]] = field(default_factory=dict)  # StepValues' groupings
 
 
-def splittable(p: Tensor, layout, process_group, blocks: tuple) -> bool:
+def column_block_candidate(p: Tensor, layout, process_group, blocks: tuple) -> bool:
     """Whether the ranks holding ``p``'s shards can orthogonalize it together on their own
     column blocks (distributed NS): a matrix sharded on one dim over one group — or on dim 0
     over every dim of a mesh of all ranks (FSDP + column-wise TP) — unfused."""
@@ -124,32 +124,34 @@ class StepPlanner:
         if self.distributed_ns is False:
             return works
         candidates = [i for i, ((_, p, _, _), w) in enumerate(zip(entries, works))
-                      if splittable(p, w.layout, w.group, w.blocks)]
+                      if column_block_candidate(p, w.layout, w.group, w.blocks)]
         if candidates:
-            chosen = set(candidates) if self.distributed_ns else self._split_choice(entries, works, candidates)
-            works = [self._work(e, False, distributed=True) if i in chosen else w
+            chosen = set(candidates) if self.distributed_ns else self._column_block_choice(entries, works, candidates)
+            works = [self._work(e, split_replicas=False, column_blocks=True) if i in chosen else w
                      for i, (e, w) in enumerate(zip(entries, works))]
         return works if self.distributed_ns else self._gang_choice(works)
 
     def _owned_works(self, entries: Sequence[MuonEntry]) -> list[MatrixWork]:
-        split = self.replica_split
-        if split is None:  # HSDP: the cost model decides whether replicas split the work
-            works = [self._work(e, True) for e in entries]
+        split_replicas = self.replica_split
+        if split_replicas is None:  # HSDP: the cost model decides whether replicas split the work
+            works = [self._work(e, split_replicas=True) for e in entries]
             if not any(w.layout.replicas > 1 and w.layout.shards > 1 for w in works):
                 return works
             units = [unit_of(w, self.engine.wire_itemsize(w)) for w in works]
             if split_replicas_is_cheaper(units, self.engine.flops_per_byte):
                 return works
-            split = False
-        return [self._work(e, split) for e in entries]
+            split_replicas = False
+        return [self._work(e, split_replicas=split_replicas) for e in entries]
 
-    def _split_choice(self, entries: Sequence[MuonEntry], works: list[MatrixWork], candidates: list[int]) -> set[int]:
+    def _column_block_choice(self, entries: Sequence[MuonEntry], works: list[MatrixWork],
+                             candidates: list[int]) -> set[int]:
         """The cost model's choice of distributed NS (:func:`dmuon.planner.choose_distributed`),
         per exchange group."""
         chosen: set[int] = set()
         for members in self.engine.group_indices(works):
             units = [unit_of(works[i], self.engine.wire_itemsize(works[i])) for i in members]
-            costs = [self._distributed_cost(self._work(entries[i], False, distributed=True)) if i in candidates
+            costs = [self._column_block_cost(self._work(entries[i], split_replicas=False, column_blocks=True))
+                     if i in candidates
                      else None for i in members]
             layout = works[members[0]].layout
             picked = choose_distributed(units, costs, layout.size, layout.replicas,
@@ -157,7 +159,7 @@ class StepPlanner:
             chosen.update(members[j] for j in picked)
         return chosen
 
-    def _distributed_cost(self, work: MatrixWork) -> float:
+    def _column_block_cost(self, work: MatrixWork) -> float:
         """What every rank of the group pays when ``work`` (in column-block form) is split."""
         config, size = work.config, work.layout.shards
         blocks_flops = work.count * newton_schulz_flops(work.m, -(-work.n // size), steps=config.steps,
@@ -181,10 +183,12 @@ class StepPlanner:
 
     # ------------------------------------------------------------------ one matrix
 
-    def _work(self, entry: MuonEntry, split: bool, *, distributed: bool = False) -> MatrixWork:
+    def _work(self, entry: MuonEntry, *, split_replicas: bool, column_blocks: bool = False) -> MatrixWork:
+        """One parameter's work: with ``split_replicas`` HSDP replicas share the exchange; with
+        ``column_blocks`` (where the layout allows it) it runs distributed NS on column blocks."""
         name, p, group, view = entry
         stack = p.ndim == 3 and view in ("auto", "batch")
-        layout, process_group = detect_layout(p, name, self.process_group, split, stack)
+        layout, process_group = detect_layout(p, name, self.process_group, split_replicas=split_replicas, stack=stack)
         # what NS sees: a local stack's own matrices, or for Shard(1) the transpose
         count, m, n = matrix_shape(layout.shape, view)
         _, rows_of_p, cols_of_p = matrix_shape(p.shape, view)
@@ -201,7 +205,7 @@ class StepPlanner:
         )
         # distributed NS on the ranks' own column blocks: (Gram side, other side); a Shard(1)
         # matrix is split by columns already, a Shard(0) one by the columns of its transpose
-        column_blocks = distributed and splittable(p, layout, process_group, blocks)
+        column_blocks = column_blocks and column_block_candidate(p, layout, process_group, blocks)
         if column_blocks:
             count, m, n = 1, *((rows_of_p, cols_of_p) if layout.transposed else (cols_of_p, rows_of_p))
             config = ns_config(group, (m, n), p.device.type, self.symmetric_for((m, n)))
