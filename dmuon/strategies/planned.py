@@ -28,7 +28,7 @@ from torch import Tensor
 from dmuon.exchange import PendingExchange, Shape, start_all_to_all
 from dmuon.layout import Layout
 from dmuon.planner import Plan
-from dmuon.strategies.base import Batch, Context, MatrixWork, StepIO, batches_of
+from dmuon.strategies.base import Batch, Context, MatrixWork, StepIO, Timed, batches_of
 
 
 def rows_of(full: Tensor, layout: Layout, shard: int) -> Tensor:
@@ -48,6 +48,9 @@ class _Bucket:
     owned: tuple[tuple[int, tuple[int, ...]], ...]  # (unit, its replica block) this rank owns
     batches: tuple[Batch, ...]  # how the owned units are stacked for Newton–Schulz
     flops: int  # of the owned units
+    indices: tuple[int, ...]  # of the bucket's units in the step plan's works
+    # one process, plain matrices only: per batch, the positions in the bucket it stacks
+    stacks: tuple[tuple[int, ...], ...] | None
     returns: bool
     return_sends: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # owned unit, ((target, shard), ...)
     return_shapes: tuple[tuple[Shape, ...], ...]  # by source: the rows this rank gets back
@@ -83,21 +86,34 @@ class PlannedExchange:
                 return_shapes[owner].append((numel(u, me),))
         shards = {u: plan.units[u].layout.shards for u in units}
         owned = [u for u in units if plan.owners[u] == me]
+        batches = batches_of(owned, self.works)
         return _Bucket(
             units=tuple(units),
             gathers=any(plan.gather_sources(u) for u in units),
             sends=tuple((u, plan.owners[u]) for u in units if me in plan.gather_sources(u)),
             gather_shapes=tuple(map(tuple, gather_shapes)),
             owned=tuple((u, tuple(plan.replica_block(u))) for u in owned),
-            batches=tuple(batches_of(owned, self.works)),
+            batches=tuple(batches),
             flops=sum(plan.units[u].flops for u in owned),
+            indices=tuple(self.indices[u] for u in units),
+            stacks=self._stacks(units, batches) if self.group is None else None,
             returns=any(plan.return_targets(u) for u in units),
             return_sends=tuple((u, tuple((p, p % shards[u]) for p in plan.return_targets(u)))
                                for u in units if plan.owners[u] == me),
             return_shapes=tuple(map(tuple, return_shapes)),
         )
 
+    def _stacks(self, units: Sequence[int], batches: Sequence[Batch]) -> tuple[tuple[int, ...], ...] | None:
+        """Where every work of a bucket is one whole 2-D matrix: each batch's positions."""
+        plain = all(self.works[u].count == 1 and not self.works[u].blocks and len(self.works[u].local_shape) == 2
+                    for u in units)
+        position = {u: j for j, u in enumerate(units)}
+        return tuple(tuple(position[u] for u, _, _, _ in members) for _, _, members in batches) if plain else None
+
     def run(self, io: StepIO, ctx: Context) -> None:
+        if self.group is None:
+            self._run_alone(io, ctx)
+            return
         returns: list[tuple[int, PendingExchange | None, dict[int, Tensor]]] = []
         gathers = {0: self._start_gather(0, io, ctx)} if self.buckets else {}
         for k in range(len(self.buckets)):
@@ -109,6 +125,30 @@ class PlannedExchange:
                 self._finish_return(*returns.pop(0), io)
         for pending in returns:
             self._finish_return(*pending, io)
+
+    def _run_alone(self, io: StepIO, ctx: Context) -> None:
+        """One process: every matrix is whole here and nothing is exchanged, so a bucket is its
+        inputs, its batched Newton–Schulz calls and its updates — the same calls on the same
+        stacks as the exchange makes; plain matrices are stacked and unstacked without reshapes."""
+        for k, bucket in enumerate(self.buckets):
+            dtype = self._dtype(k, ctx)
+            values = [v if v.dtype == dtype else v.to(dtype) for v in io.inputs(bucket.indices)]
+            if bucket.stacks is None:  # expert stacks or fused blocks: the general assembly
+                inputs = {u: v.reshape(self.works[u].count, self.works[u].m, self.works[u].n)
+                          for u, v in zip(bucket.units, values)}
+                owned = ctx.orthogonalize_whole(inputs, self.works, bucket.batches, bucket.flops)
+                io.apply(bucket.indices, [owned[u].reshape(self.works[u].local_shape) for u in bucket.units])
+                continue
+            ctx.stats.ns_flops += bucket.flops
+            updates: list[Tensor | None] = [None] * len(values)
+            for (config, _, _), positions in zip(bucket.batches, bucket.stacks):
+                stacked = torch.stack([values[j] for j in positions])
+                with Timed(ctx.stats, stacked.device):
+                    results = ctx.orthogonalize(stacked, config)
+                ctx.stats.matrices_orthogonalized += stacked.shape[0]
+                for j, result in zip(positions, results.unbind(0)):
+                    updates[j] = result
+            io.apply(bucket.indices, updates)
 
     def _dtype(self, k: int, ctx: Context) -> torch.dtype:
         return ctx.wire_dtype(self.works[self.buckets[k].units[0]])
