@@ -19,12 +19,12 @@ from dmuon.elementwise import adamw_step, compile_kernels, update_momentum_of
 from dmuon.engine import Orthogonalizer, StepStats
 from dmuon.exchange import default_device
 from dmuon.hyperparameters import (
-    NONFINITE_POLICIES, EngineOptions, adamw_options, ns_config, validate_adamw_group, validate_muon_group,
+    NONFINITE_POLICIES, EngineOptions, adamw_options, validate_adamw_group, validate_muon_group,
 )
 from dmuon.layout import owned_by
 from dmuon.orthogonalization import NORMALIZATION_EPS, orthogonalize
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
-from dmuon.routing import Route, matrix_shape, module_roles
+from dmuon.routing import Route, module_roles
 from dmuon.statistics import step_statistics
 from dmuon.step_plan import MuonEntry, StepPlan, StepPlanner, StepValues, plan_key, steps_here
 
@@ -123,13 +123,7 @@ class Muon(torch.optim.Optimizer):
         if symmetric_products == "auto":  # a collective: after the ranks agree on the options
             from dmuon.timing import choose_symmetric_products  # imported only when measuring
 
-            device = self._collective_device()
-            shapes = {}
-            for _, p, group_, view in self._muon_params():
-                shape = matrix_shape(p.shape, view)[1:]
-                shapes.setdefault(shape, ns_config(group_, shape, device.type))
-            self._symmetric_by_shape = choose_symmetric_products(shapes, device, group)
-        self._plan = None
+            self._symmetric_by_shape = choose_symmetric_products(self._muon_params(), self._collective_device(), group)
 
     def _build(self, params: nn.Module | Iterable[Any], defaults: dict[str, Any], options: EngineOptions) -> None:
         """Everything the constructor does before the ranks compare notes (purely local)."""
@@ -153,15 +147,9 @@ class Muon(torch.optim.Optimizer):
         self._make_engine()
         super().__init__(params, defaults)
         self._module_roles = {}  # used for routing at construction only; params may be swapped later
-        blind = param_groups.shape_routed(self.param_groups)
+        blind = param_groups.shape_routing_warning(self.param_groups)
         if blind:
-            warnings.warn(
-                f"dmuon.Muon routed {blind} {'matrix' if blind == 1 else 'matrices'} to Muon by shape alone: without "
-                "names or modules it cannot tell embeddings and output heads (which should get AdamW) from hidden "
-                "matrices. Pass the model (dmuon.Muon(model, ...)) or model.named_parameters(), or put those "
-                "matrices in a group with \"algorithm\": \"muon\" (and the rest in one with \"algorithm\": \"adamw\").",
-                stacklevel=3,
-            )
+            warnings.warn(blind, stacklevel=3)
         self.plans  # detects every layout now: an unsupported one raises before any collective
 
     def _make_engine(self) -> None:

@@ -137,10 +137,17 @@ def names_in(model: nn.Module | None) -> Callable[[list[Entry], str], list[Entry
     return lookup
 
 
-def shape_routed(groups: Sequence[dict[str, Any]]) -> int:
-    """How many matrices went to Muon by shape alone: no names, no module, no override."""
-    return sum(alg == "muon" for g in groups if g["algorithm"] is None and "param_names" not in g
-               for alg in g["algorithms"])
+def shape_routing_warning(groups: Sequence[dict[str, Any]]) -> str | None:
+    """The warning for matrices that went to Muon by shape alone (no names, no module, no
+    override), or None."""
+    blind = sum(alg == "muon" for g in groups if g["algorithm"] is None and "param_names" not in g
+                for alg in g["algorithms"])
+    if not blind:
+        return None
+    return (f"dmuon.Muon routed {blind} {'matrix' if blind == 1 else 'matrices'} to Muon by shape alone: without "
+            "names or modules it cannot tell embeddings and output heads (which should get AdamW) from hidden "
+            "matrices. Pass the model (dmuon.Muon(model, ...)) or model.named_parameters(), or put those "
+            "matrices in a group with \"algorithm\": \"muon\" (and the rest in one with \"algorithm\": \"adamw\").")
 
 
 def names_of(group: dict[str, Any], g: int) -> list[str]:
