@@ -17,10 +17,23 @@ With ``--peers``, every other distributed Muon implementation that is installed 
 'dmuon[peers]'``; see :mod:`dmuon.tools.peers`) joins as ``<ddp|fsdp>-<package>`` for the modes it
 supports; the ones that are not installed are listed with the reason.
 
-Each configuration runs in freshly spawned ranks, so that its peak memory is its own: "peak
-mem" is the largest rise of a rank's resident memory (CPU; sampled every 2 ms) or of its
-allocated device memory (CUDA) over what the rank held before building the model. Times are
-medians over the measured steps of the slowest rank; "bytes/step" is what dmuon's own collectives
+Timing: all configurations are built in ONE set of spawned ranks (each its own model, wrapper and
+optimizer, from the same weights) and stepped round-robin: after ``--warmup`` steps each, every
+round gives each configuration ``--steps-per-round`` steps, the order rotated by one place per
+round, so a change of load between rounds hits every configuration alike. Per configuration and
+round the bench keeps the slowest rank's optimizer-step and step times (median over the round's
+steps); a ratio (optimizer step vs vanilla Muon of the same mode, step vs AdamW of the same mode)
+is the median of the per-round ratios, shown with their min-max. Times are medians over the
+measured steps of the slowest rank. A run warns — in the table and in ``--json`` (``warnings``,
+``trustworthy``) — when other jobs took more than ``OTHER_LOAD_LIMIT`` (10 %) of the machine's
+cores during the rounds (``/proc/stat`` busy time, steal included, minus the ranks' own CPU
+time), when a ratio's per-round values spread more than ``SPREAD_LIMIT`` (1.3x, max over min),
+or when there was only one round.
+
+Peak memory is measured in a separate pass, each configuration alone in freshly spawned ranks
+(``--memory-steps`` steps), so that its peak is its own: "peak mem" is the largest rise of a
+rank's resident memory (CPU; sampled every 2 ms) or of its allocated device memory (CUDA) over
+what the rank held before building the model. "sent MiB/step" is what dmuon's own collectives
 sent, averaged over ranks: dmuon.Muon's exchange, and for the owner modes the broadcasts and
 reduces of the owner-sharded matrices (DDP's and FSDP2's traffic is not counted). The owner modes
 are compared with the FSDP2 configurations.
@@ -29,6 +42,7 @@ are compared with the FSDP2 configurations.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -51,7 +65,6 @@ from dmuon.tools.cli import (
     UsageError, name_list, non_negative_float, non_negative_int, output_path, positive_float, positive_int,
 )
 from dmuon.tools.demo import CONFIGS as OPTIMIZERS
-from dmuon.tools.demo import report_progress
 from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config
 
 CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon",
@@ -60,17 +73,386 @@ CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-
 BASELINE_MODE = {"ddp": "ddp", "fsdp": "fsdp", "ownerz2": "fsdp", "ownerz3": "fsdp"}
 
 
+# A run is flagged as not trustworthy when other jobs used more than this fraction of the
+# machine's cores while the timed rounds ran (measured: /proc/stat busy time, steal included,
+# minus the ranks' own CPU time), or when a ratio's per-round values spread more than this
+# factor (largest over smallest).
+OTHER_LOAD_LIMIT = 0.1
+SPREAD_LIMIT = 1.3
+
+# The clock of the timed rounds; a test replaces it with a fake one.
+clock = time.perf_counter
+
+
 @dataclass(frozen=True)
 class BenchResult:
-    """One configuration's numbers; also the ``--json`` record."""
+    """One configuration's numbers (the ``--json`` record holds these and the ratios)."""
 
     config: str
     world_size: int
-    opt_step_ms: float
+    opt_step_ms: float  # median over the measured steps of the slowest rank's time
     step_ms: float
     bytes_per_step: float | None  # mean over ranks of what dmuon.Muon's collectives sent
     peak_mem_bytes: int  # largest per-rank rise over the memory held before the model existed
-    final_loss: float
+    final_loss: float  # loss of the last step, mean over ranks (the last progress line's figure)
+    # per round: median over the round's steps of the slowest rank's times (empty: one round of
+    # opt_step_ms / step_ms)
+    round_opt_step_ms: tuple[float, ...] = ()
+    round_step_ms: tuple[float, ...] = ()
+
+    def rounds(self, what: str) -> tuple[float, ...]:
+        values = getattr(self, f"round_{what}")
+        return values or (getattr(self, what),)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """Median of the per-round ratios of a time to its baseline's in the same round, and their range."""
+
+    median: float
+    low: float
+    high: float
+
+    @property
+    def spread(self) -> float:
+        return self.high / self.low if self.low > 0 else float("inf")
+
+    def text(self) -> str:
+        flag = "!" if self.spread > SPREAD_LIMIT else ""
+        return f"{self.median:.2f} ({self.low:.2f}-{self.high:.2f}){flag}"
+
+
+def per_round_ratio(values: tuple[float, ...], bases: tuple[float, ...]) -> Ratio | None:
+    """Ratios of ``values`` to ``bases`` round by round (both measured in the same rounds)."""
+    ratios = [v / b for v, b in zip(values, bases) if b > 0]
+    if not ratios:
+        return None
+    return Ratio(statistics.median(ratios), min(ratios), max(ratios))
+
+
+def _baseline_mode(config: str) -> str:
+    parallel = config.split("-", 1)[0]
+    return BASELINE_MODE.get(parallel, parallel)
+
+
+def compare(results: list[BenchResult]) -> dict[str, dict[str, Ratio | float | None]]:
+    """Per configuration: optimizer step vs vanilla Muon, step vs AdamW (both medians of per-round
+    ratios), peak memory vs AdamW (one figure: each measured alone)."""
+    by_name = {r.config: r for r in results}
+    out = {}
+    for r in results:
+        mode = _baseline_mode(r.config)
+        vanilla, adamw = by_name.get(f"{mode}-torch-muon"), by_name.get(f"{mode}-adamw")
+        out[r.config] = {
+            "opt_step_vs_vanilla": vanilla and per_round_ratio(r.rounds("opt_step_ms"), vanilla.rounds("opt_step_ms")),
+            "step_vs_adamw": adamw and per_round_ratio(r.rounds("step_ms"), adamw.rounds("step_ms")),
+            "mem_vs_adamw": (r.peak_mem_bytes / adamw.peak_mem_bytes
+                             if adamw and adamw.peak_mem_bytes and r.peak_mem_bytes else None),
+        }
+    return out
+
+
+@dataclass(frozen=True)
+class Load:
+    """What else ran on the machine during the timed rounds."""
+
+    other_cores: float  # cores' worth of CPU other jobs took (steal included), on average
+    cores: int  # the machine's
+
+    @property
+    def limit(self) -> float:
+        return OTHER_LOAD_LIMIT * self.cores
+
+
+def run_warnings(results: list[BenchResult], load: Load | None = None) -> list[str]:
+    """Why this run's ratios should not be trusted; empty when nothing says so."""
+    warnings = []
+    if load is not None and load.other_cores > load.limit:
+        warnings.append(f"other jobs used {load.other_cores:.2f} of {load.cores} cores during the timed rounds "
+                        f"(limit {load.limit:.2f} = {OTHER_LOAD_LIMIT:.0%} of the machine): the times are "
+                        "inflated; the ratios are measured side by side, but check their spread")
+    rounds = max((len(r.rounds("step_ms")) for r in results), default=0)
+    if rounds < 2:
+        warnings.append("only one round: the ratios' spread is unknown (use --steps 4 or more)")
+    for name, ratios in compare(results).items():
+        for what, ratio in ratios.items():
+            if isinstance(ratio, Ratio) and ratio.spread > SPREAD_LIMIT:
+                warnings.append(f"{name} {what.replace('_', ' ')}: per-round ratios {ratio.low:.2f}-{ratio.high:.2f} "
+                                f"spread {ratio.spread:.2f}x (limit {SPREAD_LIMIT}x): the rounds disagree; rerun, or more --steps")
+    return warnings
+
+
+def json_records(results: list[BenchResult], load: Load | None = None) -> list[dict]:
+    """The ``--json`` records: the measurements, the ratios with their per-round range, the warnings."""
+    comparisons, warnings = compare(results), run_warnings(results, load)
+    records = []
+    for r in results:
+        record = asdict(r)
+        record["round_opt_step_ms"], record["round_step_ms"] = list(r.rounds("opt_step_ms")), list(r.rounds("step_ms"))
+        for what, ratio in comparisons[r.config].items():
+            if isinstance(ratio, Ratio):
+                record.update({what: ratio.median, f"{what}_min": ratio.low, f"{what}_max": ratio.high})
+            else:
+                record.update({what: ratio} if what == "mem_vs_adamw" else
+                              {what: None, f"{what}_min": None, f"{what}_max": None})
+        record["other_jobs_cores"] = load.other_cores if load else None
+        record["warnings"] = warnings
+        record["trustworthy"] = not warnings
+        records.append(record)
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# Inside the ranks
+
+
+class _Trainer:
+    """One configuration in this rank: its own model (same weights as every other), wrapper and optimizers."""
+
+    def __init__(self, name: str, args: argparse.Namespace, rank: int, world: int, device: torch.device,
+                 mesh=None) -> None:
+        parallel, optimizer = name.split("-", 1)
+        self.name, self.args, self.rank, self.world, self.device = name, args, rank, world, device
+        config = get_config(args.preset, **({"n_layers": args.layers} if args.layers else {}))
+        self.model = Llama(config, seed=args.seed).to(device)
+        self.wrapped, self.sharding = _wrap(self.model, parallel, world, device, mesh)
+        self.optimizers = _factory(optimizer)(self.model, args.lr, args.weight_decay)
+        self.data = SyntheticTokens(config.vocab_size, seed=args.seed)
+
+    def forward_backward(self, step: int) -> torch.Tensor:
+        args = self.args
+        inputs, targets = (t.to(self.device) for t in self.data.local_batch(
+            step, args.batch_size * self.world, args.seq_len, self.rank, self.world))
+        logits = self.wrapped(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        for opt in self.optimizers:
+            opt.zero_grad()
+        loss.backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def sync(self) -> None:
+        _sync(self.device)
+
+    def bytes_sent(self) -> float | None:
+        stats = getattr(self.optimizers[0], "last_step_stats", None)
+        return None if stats is None else stats.bytes_sent + (self.sharding.last_step_bytes if self.sharding else 0)
+
+    def release(self) -> None:
+        """Free the gradients between steps (the other configurations step meanwhile)."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+
+@dataclass
+class StepRecord:
+    config: str
+    round: int  # -1: warm-up
+    step: int
+    opt_s: float
+    step_s: float
+    loss: float
+
+
+def round_order(configs: list[str], round_index: int) -> list[str]:
+    """The configurations in round ``round_index``: rotated by one place per round."""
+    k = round_index % len(configs)
+    return configs[k:] + configs[:k]
+
+
+def rounds_of(steps: int, steps_per_round: int) -> list[int]:
+    """Measured steps in each round (the last round may be shorter)."""
+    return [min(steps_per_round, steps - start) for start in range(0, steps, steps_per_round)]
+
+
+def run_rounds(trainers: dict, *, warmup: int, steps: int, steps_per_round: int, log=None,
+               mean_loss=float, bytes_hook=None) -> list[StepRecord]:
+    """Step every configuration of ``trainers`` round-robin: warm-up steps one configuration after
+    another, then rounds in which each configuration does ``steps_per_round`` steps, the order
+    rotated by round, so a change of load lands on every configuration alike. Times come from
+    :data:`clock`; ``mean_loss`` turns a rank's loss into the figure printed (all ranks' mean)."""
+    configs, done, records = list(trainers), {name: 0 for name in trainers}, []
+    total = warmup + steps
+    plan = [(-1, list(configs), warmup)] + [(i, round_order(configs, i), n)
+                                            for i, n in enumerate(rounds_of(steps, steps_per_round))]
+    for round_index, order, n in plan:
+        for name in order:
+            trainer = trainers[name]
+            for _ in range(n):
+                step = done[name]
+                trainer.sync()
+                start = clock()
+                loss = trainer.forward_backward(step)
+                trainer.sync()
+                opt_start = clock()
+                trainer.optimizer_step()
+                trainer.sync()
+                end = clock()
+                if bytes_hook is not None:
+                    bytes_hook(name, trainer)
+                trainer.release()
+                done[name] += 1
+                loss = mean_loss(loss)
+                records.append(StepRecord(name, round_index, step, end - opt_start, end - start, loss))
+                if log is not None:
+                    where = "warm-up" if round_index < 0 else f"round {round_index + 1}/{len(plan) - 1}"
+                    log.write(f"{where}  {name:<18} step {step + 1}/{total}  loss {loss:.3f}  "
+                              f"opt step {(end - opt_start) * 1e3:.0f} ms  step {(end - start) * 1e3:.0f} ms\n")
+                    log.flush()
+    return records
+
+
+def summarize(records: list[StepRecord], world: int) -> dict[str, BenchResult]:
+    """Per configuration: medians over measured steps, and per round, of the (already slowest-rank) times."""
+    out = {}
+    for name in dict.fromkeys(r.config for r in records):
+        mine = [r for r in records if r.config == name]
+        measured = [r for r in mine if r.round >= 0]
+        rounds = sorted({r.round for r in measured})
+        per_round = [[r for r in measured if r.round == i] for i in rounds]
+        out[name] = BenchResult(
+            name, world,
+            statistics.median(r.opt_s for r in measured) * 1e3, statistics.median(r.step_s for r in measured) * 1e3,
+            None, 0, mine[-1].loss,
+            tuple(statistics.median(r.opt_s for r in rs) * 1e3 for rs in per_round),
+            tuple(statistics.median(r.step_s for r in rs) * 1e3 for rs in per_round),
+        )
+    return out
+
+
+def _timed(names: list[str], args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict:
+    mesh = init_device_mesh(device.type, (world,)) if any(not n.startswith("ddp") for n in names) else None
+    trainers = {name: _Trainer(name, args, rank, world, device, mesh) for name in names}
+    sent: dict[str, float | None] = {}
+
+    def mean_loss(loss: torch.Tensor) -> float:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        return loss.item()
+
+    def bytes_hook(name: str, trainer: _Trainer) -> None:
+        sent[name] = trainer.bytes_sent()
+
+    dist.barrier()
+    start = time.perf_counter()  # the machine's monotonic clock: the parent compares it with its own
+    records = run_rounds(trainers, warmup=args.warmup, steps=args.steps, steps_per_round=args.steps_per_round,
+                         log=sys.stderr if rank == 0 else None, mean_loss=mean_loss, bytes_hook=bytes_hook)
+    # the slowest rank's time of every step
+    times = torch.tensor([[r.opt_s, r.step_s] for r in records], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    for r, (opt_s, step_s) in zip(records, times.tolist()):
+        r.opt_s, r.step_s = opt_s, step_s
+    warm = [r for r in records if r.round < 0]
+    measured_start = start + sum(r.step_s for r in warm)  # about when the rounds began
+    averaged = torch.tensor([sent[n] or 0 for n in names], dtype=torch.float64, device=device)
+    dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
+    results = summarize(records, world)
+    for name, value in zip(names, averaged.tolist()):
+        results[name] = dataclasses.replace(results[name], bytes_per_step=value if sent[name] is not None else None)
+    return {"results": results, "rounds_start": measured_start}
+
+
+def _memory(name: str, args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    """The peak memory rise of this configuration alone, in fresh ranks, over ``--memory-steps`` steps."""
+    memory = PeakMemory(device)
+    trainer = _Trainer(name, args, rank, world, device)
+    for step in range(args.memory_steps):
+        trainer.forward_backward(step)
+        trainer.optimizer_step()
+    peak = torch.tensor([memory.stop()], dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _worker(rank: int, world: int, port: int, names: list[str], mode: str, args: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+    result = _timed(names, args, rank, world, device) if mode == "timed" else _memory(names[0], args, rank, world,
+                                                                                        device)
+    if rank == 0:
+        queue.put(result)
+    dist.barrier()
+    # Leave without tearing the process group down: on CPU, gloo's teardown after FSDP2 has
+    # aborted a rank ("terminate called without an active exception") although every collective
+    # had completed. The result is already delivered, and the process is about to end anyway.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(names: str | list[str], args: argparse.Namespace, mode: str = "memory"):
+    """Spawn ``args.world_size`` fresh ranks and run there: ``mode="memory"``, configuration
+    ``names`` alone (its peak memory, bytes); ``"timed"``, all of ``names`` round-robin (a dict
+    of BenchResults and when the rounds began)."""
+    names = [names] if isinstance(names, str) else list(names)
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, args=(args.world_size, _free_port(), names, mode, args, queue),
+                       nprocs=args.world_size, join=True, start_method="spawn")
+    return queue.get()
+
+
+def format_table(results: list[BenchResult], load: Load | None = None) -> str:
+    """One row per configuration, with ratios against AdamW and vanilla Muon of the same
+    parallelism (medians of per-round ratios, their range in brackets), the warnings and a summary."""
+    by_name = {r.config: r for r in results}
+    comparisons = compare(results)
+    columns = [("config", 20), ("opt step ms", 11), ("step ms", 9), ("sent MiB/step", 13), ("peak mem MiB", 12),
+               ("final loss", 10), ("opt step / vanilla", 18), ("step / AdamW", 18), ("mem / AdamW", 11)]
+    lines = [" ".join(f"{title:<{w}}" if i == 0 else f"{title:>{w}}" for i, (title, w) in enumerate(columns))]
+    for r in results:
+        c = comparisons[r.config]
+        cells = [r.config, f"{r.opt_step_ms:.1f}", f"{r.step_ms:.1f}",
+                 f"{r.bytes_per_step / 2**20:,.2f}" if r.bytes_per_step is not None else "-",
+                 f"{r.peak_mem_bytes / 2**20:,.1f}" if r.peak_mem_bytes else "-", f"{r.final_loss:.3f}",
+                 c["opt_step_vs_vanilla"].text() if c["opt_step_vs_vanilla"] else "-",
+                 c["step_vs_adamw"].text() if c["step_vs_adamw"] else "-",
+                 f"{c['mem_vs_adamw']:.2f}" if c["mem_vs_adamw"] else "-"]
+        lines.append(" ".join(f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}"
+                              for i, (cell, (_, w)) in enumerate(zip(cells, columns))))
+    rounds = max(len(r.rounds("step_ms")) for r in results) if results else 0
+    lines.append(f"times: median over the measured steps of the slowest rank; ratios: median of {rounds} per-round "
+                 "ratio(s) (min-max), the configurations stepped in turn in the same ranks; ! = spread above "
+                 f"{SPREAD_LIMIT}x; peak mem: each configuration alone in fresh ranks; final loss: last step's, mean "
+                 "over ranks")
+    summary = []
+    for parallel in ("ddp", "fsdp"):
+        names = [f"{parallel}-adamw", f"{parallel}-torch-muon", f"{parallel}-dmuon"]
+        if all(n in by_name for n in names):
+            base, vanilla, ours = (by_name[n].rounds("step_ms") for n in names)
+            overheads = [(o - b) / (v - b) for b, v, o in zip(base, vanilla, ours) if v > b]
+            if overheads:
+                lines.append(f"{parallel}: dmuon's step-time overhead over AdamW is "
+                             f"{statistics.median(overheads):.2f} of vanilla Muon's")
+        ratio = comparisons.get(f"{parallel}-dmuon", {}).get("opt_step_vs_vanilla")
+        if ratio:
+            summary.append(f"under {'DDP' if parallel == 'ddp' else 'FSDP2'} dmuon's optimizer step took "
+                           f"{ratio.median:.2f}x vanilla Muon's ({ratio.low:.2f}-{ratio.high:.2f} over the rounds)")
+    warnings = run_warnings(results, load)
+    if load is not None:
+        lines.append(f"other jobs during the timed rounds: {load.other_cores:.2f} of {load.cores} cores "
+                     f"(warning above {load.limit:.2f})")
+    lines.extend(f"WARNING: {w}" for w in warnings)
+    verdict = ("these ratios are NOT trustworthy (see the warnings above)" if warnings else
+               "no load or spread was seen that would make these ratios untrustworthy")
+    lines.append("Summary: " + "; ".join([*summary, verdict]) + ".")
+    return "\n".join(lines)
 
 
 class PeakMemory:
@@ -109,11 +491,13 @@ class PeakMemory:
         return self.peak - self.baseline
 
 
-def _wrap(model: Llama, parallel: str, world: int, device: torch.device) -> tuple[nn.Module, OwnerSharding | None]:
+def _wrap(model: Llama, parallel: str, world: int, device: torch.device,
+          mesh=None) -> tuple[nn.Module, OwnerSharding | None]:
     """The model under ``parallel``, and its owner sharding if it has one."""
     if parallel == "ddp":
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None), None
-    mesh = init_device_mesh(device.type, (world,))
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (world,))
     sharding, ignored = None, None
     if parallel.startswith("owner"):
         sharding = shard_by_owner(model, mesh, layers=model.layers, reshard_after_forward=parallel == "ownerz3",
@@ -140,114 +524,6 @@ def peer_configs() -> tuple[list[str], dict[str, str]]:
     configs = [f"{mode}-{name}" for mode in ("ddp", "fsdp") for name in PEERS
                if name in available and mode in PEERS[name].parallel]
     return configs, unavailable_peers()
-
-
-def _train(name: str, args: argparse.Namespace, rank: int, world: int, device: torch.device) -> BenchResult:
-    parallel, optimizer = name.split("-", 1)
-    config = get_config(args.preset, **({"n_layers": args.layers} if args.layers else {}))
-    memory = PeakMemory(device)
-    model = Llama(config, seed=args.seed).to(device)
-    wrapped, sharding = _wrap(model, parallel, world, device)
-    optimizers = _factory(optimizer)(model, args.lr, args.weight_decay)
-    data = SyntheticTokens(config.vocab_size, seed=args.seed)
-    opt_times, step_times, losses, sent = [], [], [], []
-    for step in range(args.warmup + args.steps):
-        inputs, targets = (t.to(device) for t in data.local_batch(step, args.batch_size * world, args.seq_len, rank, world))
-        _sync(device)
-        start = time.perf_counter()
-        logits = wrapped(inputs)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        for opt in optimizers:
-            opt.zero_grad()
-        loss.backward()
-        _sync(device)
-        opt_start = time.perf_counter()
-        for opt in optimizers:
-            opt.step()
-        _sync(device)
-        end = time.perf_counter()
-        losses.append(loss.item())
-        if step >= args.warmup:
-            opt_times.append(end - opt_start)
-            step_times.append(end - start)
-            stats = getattr(optimizers[0], "last_step_stats", None)
-            sent.append(None if stats is None else stats.bytes_sent + (sharding.last_step_bytes if sharding else 0))
-        if rank == 0:
-            report_progress(sys.stderr, name, step + 1, args.warmup + args.steps, losses[-1])
-    peak = memory.stop()
-    slowest = torch.tensor([statistics.median(opt_times), statistics.median(step_times), peak],
-                           dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    averaged = torch.tensor([statistics.mean(losses[-3:]), sent[-1] or 0], dtype=torch.float64, device=device)
-    dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
-    return BenchResult(
-        name, world, slowest[0].item() * 1e3, slowest[1].item() * 1e3,
-        averaged[1].item() if sent[-1] is not None else None, int(slowest[2].item()), averaged[0].item(),
-    )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _worker(rank: int, world: int, port: int, name: str, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
-    result = _train(name, args, rank, world, device)
-    if rank == 0:
-        queue.put(result)
-    dist.barrier()
-    # Leave without tearing the process group down: on CPU, gloo's teardown after FSDP2 has
-    # aborted a rank ("terminate called without an active exception") although every collective
-    # had completed. The result is already delivered, and the process is about to end anyway.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_config(name: str, args: argparse.Namespace) -> BenchResult:
-    """Spawn ``args.world_size`` fresh ranks, train configuration ``name`` there, return its result."""
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(args.world_size, _free_port(), name, args, queue),
-                       nprocs=args.world_size, join=True, start_method="spawn")
-    return queue.get()
-
-
-def format_table(results: list[BenchResult]) -> str:
-    """One row per configuration, with ratios against AdamW and vanilla Muon of the same parallelism."""
-    by_name = {r.config: r for r in results}
-    header = (f"{'config':<20} {'opt step ms':>11} {'step ms':>9} {'bytes/step':>12} {'peak mem MB':>11} "
-              f"{'loss':>7} {'opt/vanilla':>11} {'step/adamw':>10} {'mem/adamw':>9}")
-    lines = [header]
-    for r in results:
-        parallel = BASELINE_MODE.get(r.config.split("-", 1)[0], r.config.split("-", 1)[0])
-        vanilla, adamw = by_name.get(f"{parallel}-torch-muon"), by_name.get(f"{parallel}-adamw")
-        opt_ratio = f"{r.opt_step_ms / vanilla.opt_step_ms:.2f}" if vanilla else "-"
-        step_ratio = f"{r.step_ms / adamw.step_ms:.2f}" if adamw else "-"
-        mem_ratio = f"{r.peak_mem_bytes / adamw.peak_mem_bytes:.2f}" if adamw and adamw.peak_mem_bytes else "-"
-        sent = f"{r.bytes_per_step:,.0f}" if r.bytes_per_step is not None else "-"
-        lines.append(f"{r.config:<20} {r.opt_step_ms:>11.1f} {r.step_ms:>9.1f} {sent:>12} "
-                     f"{r.peak_mem_bytes / 2**20:>11.1f} {r.final_loss:>7.3f} {opt_ratio:>11} "
-                     f"{step_ratio:>10} {mem_ratio:>9}")
-    for parallel in ("ddp", "fsdp"):
-        names = [f"{parallel}-adamw", f"{parallel}-torch-muon", f"{parallel}-dmuon"]
-        if all(n in by_name for n in names):
-            base, vanilla, ours = (by_name[n].step_ms for n in names)
-            if vanilla > base:
-                lines.append(f"{parallel}: dmuon's step-time overhead over AdamW is "
-                             f"{(ours - base) / (vanilla - base):.2f} of vanilla Muon's")
-    return "\n".join(lines)
 
 
 def plot(results: list[BenchResult], path: str) -> None:
@@ -282,9 +558,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=positive_int,
                         help="override the preset's depth: real shapes, fewer layers (default: the preset's)")
     parser.add_argument("--steps", type=positive_int, default=4,
-                        help="measured steps per configuration (default: %(default)s)")
-    parser.add_argument("--warmup", type=non_negative_int, default=1,
-                        help="unmeasured steps before them (default: %(default)s)")
+                        help="measured steps per configuration, in rounds of --steps-per-round (default: %(default)s)")
+    parser.add_argument("--steps-per-round", type=positive_int, default=1,
+                        help="steps each configuration does in a round before the next one's turn; the order "
+                             "rotates by round (default: %(default)s)")
+    parser.add_argument("--warmup", type=non_negative_int, default=2,
+                        help="unmeasured steps of each configuration before the rounds (FSDP2 + AdamW's second "
+                             "step is still slow) (default: %(default)s)")
+    parser.add_argument("--memory-steps", type=non_negative_int, default=2,
+                        help="steps of the peak-memory pass, each configuration alone in fresh ranks; 0 skips "
+                             "it (default: %(default)s)")
     parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank (default: %(default)s)")
     parser.add_argument("--seq-len", type=positive_int, default=128,
                         help="tokens per sequence, at most the preset's max_seq_len (default: %(default)s)")
@@ -324,25 +607,44 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dmuon.tools.hardware import OtherJobsCpu
+
     if args.peers:
         peers, missing = peer_configs()
         args.configs = [*args.configs, *peers]
         for package, reason in missing.items():
             print(f"peer {package} skipped: {reason}", file=sys.stderr)
+    started = time.perf_counter()
+    n = len(args.configs)
     print(f"dmuon bench: {args.preset} preset, {args.world_size} {args.device} ranks x {args.threads} thread(s), "
-          f"{len(args.configs)} configurations", file=sys.stderr, flush=True)
-    results = []
-    for i, name in enumerate(args.configs, start=1):
-        print(f"[{i}/{len(args.configs)}] {name}", file=sys.stderr, flush=True)
-        results.append(run_config(name, args))
-    print(format_table(results))
+          f"{n} configurations", file=sys.stderr, flush=True)
+    peaks = {}
+    if args.memory_steps:
+        print(f"peak memory: each configuration alone in fresh ranks, {args.memory_steps} step(s)",
+              file=sys.stderr, flush=True)
+        for i, name in enumerate(args.configs, start=1):
+            peaks[name] = run_config(name, args)
+            print(f"[{i}/{n}] {name}: peak memory {peaks[name] / 2**20:,.1f} MiB per rank", file=sys.stderr,
+                  flush=True)
+    rounds = len(rounds_of(args.steps, args.steps_per_round))
+    print(f"timing: the {n} configurations in the same ranks, {args.warmup} warm-up step(s) each, then {rounds} "
+          f"round(s) of {args.steps_per_round} step(s) each, the order rotated by round", file=sys.stderr, flush=True)
+    with OtherJobsCpu() as others:
+        timed = run_config(args.configs, args, mode="timed")
+    measured = timed["results"]
+    # the rounds come last in the ranks' run: the load that matters is the run's tail
+    rounds_seconds = sum(sum(r.rounds("step_ms")) * max(1, args.steps_per_round) for r in measured.values()) / 1e3
+    load = Load(others.cores_used_in_last(rounds_seconds), os.cpu_count() or 1)
+    results = [dataclasses.replace(measured[name], peak_mem_bytes=peaks.get(name, 0)) for name in args.configs]
+    print(format_table(results, load))
+    print(f"(bench took {time.perf_counter() - started:.0f} s)", file=sys.stderr)
     if args.device == "cuda":
         from dmuon.tools.throughput import gpu_report
 
         print(gpu_report(torch.device("cuda", 0)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=1)
+            json.dump(json_records(results, load), f, indent=1)
     if args.plot:
         plot(results, args.plot)
     return 0

@@ -13,7 +13,7 @@ def test_table_ratios():
     results = [
         BenchResult("fsdp-adamw", 2, 10.0, 100.0, None, 2**20, 5.0),
         BenchResult("fsdp-torch-muon", 2, 80.0, 180.0, None, 2**21, 4.0),
-        BenchResult("fsdp-dmuon", 2, 20.0, 110.0, 1234, 3 * 2**19, 4.0),
+        BenchResult("fsdp-dmuon", 2, 20.0, 110.0, 1234 * 2**20, 3 * 2**19, 4.0),  # sent: 1,234 MiB
     ]
     table = format_table(results)
     dmuon_row = next(line for line in table.splitlines() if line.startswith("fsdp-dmuon"))
@@ -34,7 +34,14 @@ def test_tiny_run_writes_json(tmp_path):
     assert muon_bytes <= records[2]["bytes_per_step"] < muon_bytes + 100
     assert all(r["world_size"] == 2 and r["step_ms"] > 0 and r["peak_mem_bytes"] > 0 for r in records)
     assert set(records[0]) == {"config", "world_size", "opt_step_ms", "step_ms", "bytes_per_step",
-                               "peak_mem_bytes", "final_loss"}
+                               "peak_mem_bytes", "final_loss",
+                               # added: per-round times, ratios with their range, the run's load and warnings
+                               "round_opt_step_ms", "round_step_ms", "opt_step_vs_vanilla",
+                               "opt_step_vs_vanilla_min", "opt_step_vs_vanilla_max", "step_vs_adamw",
+                               "step_vs_adamw_min", "step_vs_adamw_max", "mem_vs_adamw", "other_jobs_cores",
+                               "warnings", "trustworthy"}
+    # one measured step is one round: no spread to judge the ratios by, and the run says so
+    assert not records[0]["trustworthy"] and any("only one round" in w for w in records[0]["warnings"])
 
 
 def test_throughput_tables_run_on_cpu():

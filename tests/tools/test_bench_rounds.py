@@ -1,0 +1,166 @@
+"""`dmuon bench` measures its configurations interleaved, in rounds, so that a change of load hits
+them alike; the ratios are medians of per-round ratios with their range, and a run that saw other
+load or a wide spread says so. Everything here runs on a fake clock with fake trainers: no ranks."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+import dmuon.tools.bench as bench
+from dmuon.tools.bench import BenchResult, Load, format_table, json_records, run_rounds, summarize
+from dmuon.tools.cli import main
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.load = 1.0  # every duration is multiplied by it: the machine's load
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds * self.load
+
+
+class FakeTrainer:
+    """A configuration whose forward+backward and optimizer step take fixed times on the fake clock."""
+
+    def __init__(self, name: str, clock: FakeClock, calls: list, fb_s: float, opt_s: float) -> None:
+        self.name, self.clock, self.calls, self.fb_s, self.opt_s = name, clock, calls, fb_s, opt_s
+        self.load_by_step: list[float] | None = None
+
+    def forward_backward(self, step: int) -> float:
+        self.calls.append((self.name, step))
+        if self.load_by_step is not None:
+            self.clock.load = self.load_by_step[step]
+        self.clock.advance(self.fb_s)
+        return 10.0 - step
+
+    def optimizer_step(self) -> None:
+        self.clock.advance(self.opt_s)
+
+    def sync(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+def _trainers(clock, calls, times=None):
+    times = times or {"fsdp-adamw": (1.0, 0.1), "fsdp-torch-muon": (1.0, 2.0), "fsdp-dmuon": (1.0, 1.0)}
+    return {name: FakeTrainer(name, clock, calls, fb, opt) for name, (fb, opt) in times.items()}
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(bench, "clock", clock)
+    return clock
+
+
+def test_rounds_interleave_the_configurations_and_rotate_the_order(fake_clock):
+    calls = []
+    records = run_rounds(_trainers(fake_clock, calls), warmup=1, steps=4, steps_per_round=2)
+    a, v, d = "fsdp-adamw", "fsdp-torch-muon", "fsdp-dmuon"
+    assert calls == [(a, 0), (v, 0), (d, 0),  # warm-up, one after another
+                     (a, 1), (a, 2), (v, 1), (v, 2), (d, 1), (d, 2),  # round 1
+                     (v, 3), (v, 4), (d, 3), (d, 4), (a, 3), (a, 4)]  # round 2, rotated by one
+    assert [r.round for r in records if r.config == d] == [-1, 0, 0, 1, 1]
+    assert all(r.opt_s == pytest.approx(1.0) and r.step_s == pytest.approx(2.0) for r in records if r.config == d)
+
+
+def test_ratios_are_medians_of_per_round_ratios_and_survive_a_load_change(fake_clock):
+    """Rounds 2 and 4 run at three times the load: the medians of the raw times move, the ratios do not."""
+    trainers = _trainers(fake_clock, [])
+    for trainer in trainers.values():
+        trainer.load_by_step = [1.0, 3.0, 1.0, 3.0]  # no warm-up: step k runs in round k + 1
+    results = list(summarize(run_rounds(trainers, warmup=0, steps=4, steps_per_round=1), 2).values())
+    dmuon = next(r for r in results if r.config == "fsdp-dmuon")
+    assert dmuon.round_opt_step_ms == pytest.approx((1000.0, 3000.0, 1000.0, 3000.0))
+    assert dmuon.opt_step_ms == pytest.approx(2000.0)  # median of the raw times: the load shows
+    record = next(r for r in json_records(results, Load(0.0, 2)) if r["config"] == "fsdp-dmuon")
+    assert record["opt_step_vs_vanilla"] == pytest.approx(0.5)  # 1.0 / 2.0 in every round
+    assert record["opt_step_vs_vanilla_min"] == pytest.approx(0.5) == record["opt_step_vs_vanilla_max"]
+    assert record["step_vs_adamw"] == pytest.approx(2.0 / 1.1)
+    assert record["warnings"] == [] and record["trustworthy"] is True
+    table = format_table(results, Load(0.0, 2))
+    assert "0.50 (0.50-0.50)" in next(line for line in table.splitlines() if line.startswith("fsdp-dmuon"))
+    assert "WARNING" not in table and "Summary:" in table and "0.50x vanilla Muon's" in table
+
+
+def test_a_load_change_within_rounds_shows_as_spread_and_warns(fake_clock):
+    """The load doubles for the dmuon configuration's turn in one round only: that round's ratio is
+    off, the median is not, and the range and the warning say the run was disturbed."""
+    trainers = _trainers(fake_clock, [])
+    dmuon = trainers["fsdp-dmuon"]
+    turns = []
+
+    def optimizer_step():
+        turns.append(None)
+        fake_clock.load = 2.0 if len(turns) == 3 else 1.0  # dmuon's step in round 2 (after one warm-up)
+        fake_clock.advance(dmuon.opt_s)
+        fake_clock.load = 1.0
+
+    dmuon.optimizer_step = optimizer_step
+    results = list(summarize(run_rounds(trainers, warmup=1, steps=4, steps_per_round=1), 2).values())
+    record = next(r for r in json_records(results, Load(0.0, 2)) if r["config"] == "fsdp-dmuon")
+    assert record["opt_step_vs_vanilla"] == pytest.approx(0.5)
+    assert record["opt_step_vs_vanilla_max"] == pytest.approx(1.0)
+    assert record["trustworthy"] is False
+    assert any("fsdp-dmuon opt step vs vanilla" in w and "spread 2.00x" in w for w in record["warnings"])
+    table = format_table(results, Load(0.0, 2))
+    assert "0.50 (0.50-1.00)!" in table
+    assert "WARNING: fsdp-dmuon opt step vs vanilla" in table and "NOT trustworthy" in table
+
+
+def test_other_load_during_the_rounds_warns():
+    results = [BenchResult("fsdp-adamw", 2, 10.0, 100.0, None, 0, 5.0, (10.0, 10.0), (100.0, 100.0)),
+               BenchResult("fsdp-torch-muon", 2, 80.0, 180.0, None, 0, 4.0, (80.0, 80.0), (180.0, 180.0))]
+    assert all(r["trustworthy"] for r in json_records(results, Load(0.1, 2)))
+    assert "WARNING" not in format_table(results, Load(0.1, 2))
+    busy = Load(0.5, 2)
+    records = json_records(results, busy)
+    assert not records[0]["trustworthy"] and records[0]["other_jobs_cores"] == 0.5
+    assert "other jobs used 0.50 of 2 cores" in records[0]["warnings"][0]
+    assert "WARNING: other jobs used 0.50 of 2 cores" in format_table(results, busy)
+
+
+def test_progress_is_one_line_per_step_and_shows_the_tables_loss(fake_clock):
+    log = io.StringIO()  # not a terminal
+    records = run_rounds(_trainers(fake_clock, []), warmup=1, steps=2, steps_per_round=1, log=log)
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 9 and lines[0].startswith("warm-up") and lines[-1].startswith("round 2/2")
+    results = summarize(records, 2)
+    last = [line for line in lines if "fsdp-dmuon" in line][-1]
+    assert "step 3/3" in last and f"loss {results['fsdp-dmuon'].final_loss:.3f}" in last
+    table = format_table(list(results.values()))
+    assert "final loss" in table.splitlines()[0]
+
+
+def test_run_times_every_configuration_in_one_set_of_ranks(monkeypatch, tmp_path):
+    """``run`` spawns one set of ranks for the timing (all configurations) and, for the peak memory,
+    fresh ranks per configuration; the JSON keeps its fields and adds the ratios and warnings."""
+    calls = []
+
+    def fake_run_config(names, args, mode="memory"):
+        calls.append((names, mode))
+        if mode == "memory":
+            return 2**20 * (2 if names.endswith("adamw") else 1)
+        return {"results": {n: BenchResult(n, 2, 10.0 * (i + 1), 100.0 * (i + 1), None, 0, 4.0,
+                                           (10.0 * (i + 1),) * 2, (100.0 * (i + 1),) * 2)
+                            for i, n in enumerate(names)}}
+
+    monkeypatch.setattr(bench, "run_config", fake_run_config)
+    out = tmp_path / "bench.json"
+    names = ["fsdp-adamw", "fsdp-torch-muon", "fsdp-dmuon"]
+    assert main(["bench", "--preset", "tiny", "--steps", "2", "--configs", ",".join(names), "--json", str(out)]) == 0
+    assert calls == [(n, "memory") for n in names] + [(names, "timed")]
+    records = json.loads(out.read_text())
+    assert [r["peak_mem_bytes"] for r in records] == [2**21, 2**20, 2**20]
+    assert records[2]["opt_step_vs_vanilla"] == pytest.approx(1.5) and records[2]["mem_vs_adamw"] == 0.5
+    assert records[2]["step_vs_adamw_min"] == pytest.approx(3.0) == records[2]["step_vs_adamw_max"]
+    assert {"warnings", "trustworthy", "other_jobs_cores", "round_step_ms"} <= set(records[0])
