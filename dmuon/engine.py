@@ -47,7 +47,6 @@ class Orthogonalizer:
         orthogonalize_fn: Callable[[Tensor, NSConfig], Tensor] = orthogonalize,
     ) -> None:
         self.bucket_bytes = bucket_bytes
-        self.comm_dtype = comm_dtype
         self.flops_per_byte = flops_per_byte
         self.context = Context(orthogonalize_fn, comm_dtype)
 
