@@ -229,7 +229,7 @@ def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]])
         if len(saved["params"]) != len(mine["params"]):
             raise ValueError(f"Param group {g} of the state dict has {len(saved['params'])} parameters, "
                              f"this optimizer's {len(mine['params'])}.")
-        names = mine.get("param_names") or [f"group {g} param {i}" for i in range(len(mine["params"]))]
+        names = names_of(mine, g)
         for i, (key, p) in enumerate(zip(saved["params"], mine["params"])):
             if saved["algorithms"][i] != mine["algorithms"][i]:
                 raise ValueError(f"Parameter {names[i]!r} is routed to {mine['algorithms'][i]} here but to "

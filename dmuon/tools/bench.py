@@ -62,7 +62,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dmuon.owner import OwnerSharding, shard_by_owner
 from dmuon.tools.cli import (
-    UsageError, name_list, non_negative_float, non_negative_int, output_path, positive_float, positive_int,
+    UsageError, check_seq_len, name_list, non_negative_float, non_negative_int, output_path, positive_float,
+    positive_int,
 )
 from dmuon.tools.demo import CONFIGS as OPTIMIZERS
 from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config
@@ -588,10 +589,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """What spans several arguments or needs a look at the machine, checked before any rank starts."""
-    max_seq_len = PRESETS[args.preset].max_seq_len
-    if args.seq_len > max_seq_len:
-        raise UsageError("--seq-len", f"invalid value {args.seq_len}: above the {args.preset} preset's "
-                                      f"max_seq_len {max_seq_len}")
+    check_seq_len(args.seq_len, args.preset, PRESETS[args.preset].max_seq_len)
     if args.device == "cuda":
         visible = torch.cuda.device_count()
         if not visible:

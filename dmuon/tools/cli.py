@@ -111,6 +111,12 @@ def output_path(text: str) -> str:
     return text
 
 
+def check_seq_len(seq_len: int, preset: str, max_seq_len: int) -> None:
+    """A ``--seq-len`` that the ``--preset`` model can take (a :class:`UsageError` otherwise)."""
+    if seq_len > max_seq_len:
+        raise UsageError("--seq-len", f"invalid value {seq_len}: above the {preset} preset's max_seq_len {max_seq_len}")
+
+
 # ---------------------------------------------------------------------------- the parser
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import dmuon
-from dmuon.tools.cli import UsageError, name_list, non_negative_float, output_path, positive_float, positive_int
+from dmuon.tools.cli import check_seq_len, name_list, non_negative_float, output_path, positive_float, positive_int
 from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config
 
 OptimizerFactory = Callable[[Llama, float, float], list[torch.optim.Optimizer]]
@@ -199,10 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """What spans several arguments, checked before any training starts."""
-    max_seq_len = PRESETS[args.preset].max_seq_len
-    if args.seq_len > max_seq_len:
-        raise UsageError("--seq-len", f"invalid value {args.seq_len}: above the {args.preset} preset's "
-                                      f"max_seq_len {max_seq_len}")
+    check_seq_len(args.seq_len, args.preset, PRESETS[args.preset].max_seq_len)
 
 
 def run(args: argparse.Namespace) -> int:
