@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.elementwise import finite_flags, local
+from dmuon.elementwise import finite_flags, local, maybe_nonfinite
 from dmuon.exchange import CommCounter, all_gather_bytes, all_reduce_max
 
 Fingerprint = Sequence[tuple[str, str]]
@@ -136,27 +136,28 @@ def agree_on_gradients(groups: Sequence[dict], muon: Sequence[tuple], here: Sequ
     checked = [i for i, p in enumerate(params) if p.grad is not None and mine.get(id(p), True)]
     grads = [local(params[i].grad) for i in checked]
     sparse = next((i for i, g in zip(checked, grads) if g.is_sparse), None)
-    error, finite = None, None
+    error, suspect = None, None
     if sparse is not None:  # before any reduction (none runs on sparse tensors), shared with the other ranks
         error = RuntimeError(f"Muon does not support sparse gradients: {names()[sparse]!r} has one. Use dense "
                              "gradients (e.g. nn.Embedding(..., sparse=False)).")
     elif policy != "ignore" and checked:
-        finite = finite_flags(grads)
+        suspect = maybe_nonfinite(grads)
     # an owner-sharded parameter's gradient is its owner's business alone: others report none missing
     no_grad = torch.tensor([float(p.grad is None and ok) for (_, p, _, _), ok in zip(muon, here)])
     if device.type == "cuda":  # from pinned memory the copy does not wait for the step's kernels
         no_grad = no_grad.pin_memory().to(device, non_blocking=True)
-    bad = (~finite).any().reshape(1) if finite is not None else torch.zeros(1, dtype=torch.bool)
+    bad = suspect.any().reshape(1) if suspect is not None else torch.zeros(1, dtype=torch.bool)
     flags = torch.cat([bad.to(device=device, dtype=torch.float32), no_grad.to(device)])
     if group is not None:  # the agreement's header travels with the flags, in one all-reduce
         flags = agree("step", None, group, device, payload=flags, words=words, error=error, counter=counter)
     if error is not None:
         raise error
     agreed = flags.tolist()  # the one host read
-    if agreed[0] > 0:
+    # the quick look flags huge finite gradients too: the exact check of those decides
+    nonfinite = _confirm_nonfinite(grads, suspect, group, device, counter) if agreed[0] > 0 else None
+    if nonfinite is not None:
         every = names()
-        where = [every[i] for i, ok in zip(checked, finite.tolist()) if not ok] if finite is not None else []
-        where = where or ["another rank's parameters"]
+        where = [every[checked[k]] for k in nonfinite] or ["another rank's parameters"]
         if policy == "raise":
             raise FloatingPointError(f"Non-finite gradients in {where}.")
         warnings.warn(f"Muon skipped a step: non-finite gradients in {where}.", stacklevel=4)
@@ -166,3 +167,18 @@ def agree_on_gradients(groups: Sequence[dict], muon: Sequence[tuple], here: Sequ
     if partial:
         warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=4)
     return [not missing and ok for ok, missing in zip(here, agreed[1:])]
+
+
+def _confirm_nonfinite(grads: Sequence[Tensor], suspect: Tensor | None, group: dist.ProcessGroup | None,
+                       device: torch.device, counter: CommCounter) -> list[int] | None:
+    """After some rank's quick look flagged gradients: the positions in ``grads`` of this
+    rank's truly non-finite ones, or None when no rank has any (huge finite gradients are then
+    stepped). Every rank comes here together, so its one all-reduce matches; it runs only on
+    this rare path."""
+    flagged = [k for k, s in enumerate(suspect.tolist()) if s] if suspect is not None else []
+    exact = finite_flags([grads[k] for k in flagged]).tolist() if flagged else []
+    mine = [k for k, ok in zip(flagged, exact) if not ok]
+    found = bool(mine)
+    if group is not None:
+        found = all_reduce_max(torch.tensor([float(found)], device=device), group, counter).item() > 0
+    return mine if found else None

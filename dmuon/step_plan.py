@@ -75,7 +75,7 @@ class StepPlan:
     works: tuple[MatrixWork, ...]
     targets: tuple[Target, ...]
     prepared: PreparedStep
-    chunks: dict[tuple[int, ...], list[list[int]]] = field(default_factory=dict)  # StepValues' groupings
+    chunks: dict[tuple[int, ...], list] = field(default_factory=dict)  # StepValues' groupings (_Chunk)
 
 
 def column_block_candidate(p: Tensor, layout, process_group, blocks: tuple) -> bool:
@@ -221,6 +221,22 @@ class StepPlanner:
                           whole, part, column_blocks)
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """Some of a request's works that one foreach call serves: same param group, same lr factor."""
+
+    positions: tuple[int, ...]  # in the request
+    targets: tuple[Target, ...]
+    params: tuple[Tensor, ...]
+    transposed: tuple[bool, ...]
+    numel: int  # of this rank's pieces
+
+    @classmethod
+    def of(cls, positions: list[int], targets: list[Target]) -> _Chunk:
+        return cls(tuple(positions), tuple(targets), tuple(t.param for t in targets),
+                   tuple(t.transpose for t in targets), sum(local(t.param).numel() for t in targets))
+
+
 class StepValues:
     """The values of one step for the engine's strategies (:class:`dmuon.engine.StepIO`): the
     Newton–Schulz inputs from the momentum (computed when asked, a group's at a time), and the
@@ -230,9 +246,9 @@ class StepValues:
                  squares: dict[str, list]) -> None:
         self.plan, self.state, self.kernels, self.squares = plan, state, kernels, squares
 
-    def _by_group(self, indices: Sequence[int]) -> list[list[int]]:
-        """Positions in ``indices`` by (param group, lr factor): one foreach call each. The same
-        requests come every step, so the answer is kept with the plan."""
+    def _by_group(self, indices: Sequence[int]) -> list[_Chunk]:
+        """``indices`` by (param group, lr factor): one foreach call each. The same requests
+        come every step, so the answer is kept with the plan."""
         key = tuple(indices)
         chunks = self.plan.chunks.get(key)
         if chunks is None:
@@ -240,16 +256,16 @@ class StepValues:
             for k, i in enumerate(indices):
                 target = self.plan.targets[i]
                 by_key.setdefault((id(target.group), target.scale), []).append(k)
-            chunks = self.plan.chunks[key] = list(by_key.values())
+            chunks = self.plan.chunks[key] = [_Chunk.of(ks, [self.plan.targets[indices[k]] for k in ks])
+                                              for ks in by_key.values()]
         return chunks
 
     def inputs(self, indices: Sequence[int]) -> list[Tensor]:
         out: list[Tensor | None] = [None] * len(indices)
         for chunk in self._by_group(indices):
-            targets = [self.plan.targets[indices[k]] for k in chunk]
-            group = targets[0].group
-            grads = [local(t.param.grad) for t in targets]
-            bufs = [local(self.state[t.param]["momentum_buffer"]) for t in targets]
+            group = chunk.targets[0].group
+            grads = [local(p.grad) for p in chunk.params]
+            bufs = [local(self.state[p]["momentum_buffer"]) for p in chunk.params]
             if not group["nesterov"]:
                 values = bufs
             elif self.kernels is not None:
@@ -257,22 +273,22 @@ class StepValues:
                 values = [self.kernels.nesterov_input(g, b, mu) for g, b in zip(grads, bufs)]
             else:
                 values = nesterov_inputs_all(grads, bufs, group["momentum"])
-            for k, t, value in zip(chunk, targets, values):
-                out[k] = value.mT if t.transpose else value
+            for k, transposed, value in zip(chunk.positions, chunk.transposed, values):
+                out[k] = value.mT if transposed else value
         return out  # type: ignore[return-value]
 
     def apply(self, indices: Sequence[int], updates: Sequence[Tensor]) -> None:
         for chunk in self._by_group(indices):
-            targets = [self.plan.targets[indices[k]] for k in chunk]
-            group, ratio = targets[0].group, targets[0].scale
-            params = [local(t.param) for t in targets]
-            mine = [updates[k].mT if t.transpose else updates[k] for k, t in zip(chunk, targets)]
+            first = chunk.targets[0]
+            group, ratio = first.group, first.scale
+            params = [local(p) for p in chunk.params]
+            mine = [updates[k].mT if transposed else updates[k] for k, transposed in zip(chunk.positions, chunk.transposed)]
             # in fp32 at least, as the statistics always are (a norm cannot narrow fp64)
             wide = any(u.dtype == torch.float64 for u in mine)
             norms = torch._foreach_norm(mine, 2, dtype=None if wide else torch.float32)
-            squares = self.squares.setdefault(targets[0].label, [torch.zeros((), device=params[0].device), 0])
+            squares = self.squares.setdefault(first.label, [torch.zeros((), device=params[0].device), 0])
             squares[0] += torch.stack(norms).float().square().sum() * ratio**2  # a device tensor: no sync
-            squares[1] += sum(u.numel() for u in mine)
+            squares[1] += chunk.numel
             if self.kernels is not None:
                 lr, wd = scalar(group["lr"], params[0].device), scalar(group["weight_decay"], params[0].device)
                 for p, u in zip(params, mine):

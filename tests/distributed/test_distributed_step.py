@@ -127,15 +127,15 @@ def test_bf16_comm_dtype_halves_bytes_and_stays_close():
 
 # ---------------------------------------------------------------- agreement before any collective
 
-def nonfinite_on_one_rank(policy: str) -> dict:
+def bad_values_on_some_ranks(policy: str, values: dict[int, float]) -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     init = full_tensors(SHAPES[:3], 0)
     params = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
     opt = dmuon.Muon([{"params": params, "algorithm": "muon"}], nonfinite_grads=policy, **HPARAMS)
     for p, g in zip(params, full_tensors(SHAPES[:3], 1)):
         p.grad = distribute_tensor(g, mesh, [Shard(0)])
-    if dist.get_rank() == dist.get_world_size() - 1:
-        local(params[0].grad).view(-1)[0] = float("nan")
+    if dist.get_rank() in values:
+        local(params[0].grad).view(-1)[0] = values[dist.get_rank()]
     before = [local(p).clone() for p in params]
     try:
         opt.step()
@@ -143,16 +143,26 @@ def nonfinite_on_one_rank(policy: str) -> dict:
     except FloatingPointError:
         outcome = "raised"
     unchanged = all(torch.equal(b, local(p)) for b, p in zip(before, params))
-    return dict(outcome=outcome, unchanged=unchanged, skipped=opt.skipped_steps, state=len(opt.state))
+    finite = all(torch.isfinite(local(p)).all() for p in params)
+    return dict(outcome=outcome, unchanged=unchanged, finite=finite, skipped=opt.skipped_steps, state=len(opt.state))
 
 
 @pytest.mark.parametrize("policy,outcome", [("skip", "stepped"), ("raise", "raised")])
 def test_nonfinite_gradient_on_one_rank_only(policy, outcome):
-    results = run_on_ranks(3, nonfinite_on_one_rank, policy)
+    results = run_on_ranks(3, bad_values_on_some_ranks, policy, {2: float("nan")})
     for r in results:
         assert r["outcome"] == outcome and r["unchanged"] and r["state"] == 0
         if policy == "skip":
             assert r["skipped"] == 1
+
+
+@pytest.mark.parametrize("values,skipped", [({2: 1e20}, False), ({0: 1e20, 2: float("inf")}, True)])
+def test_huge_finite_gradient_is_stepped_and_inf_beside_it_is_not(values, skipped):
+    """The quick check flags 1e20 (its fp32 square overflows); the exact second look steps it,
+    on every rank, unless some rank also has a truly non-finite gradient."""
+    for r in run_on_ranks(3, bad_values_on_some_ranks, "skip", values):
+        assert r["outcome"] == "stepped" and r["skipped"] == int(skipped) and r["unchanged"] == skipped
+        assert r["finite"]
 
 
 def missing_grads() -> dict:
