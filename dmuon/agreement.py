@@ -118,6 +118,28 @@ def agree(
     return None if payload is None else reduced[HEADER_LEN:]
 
 
+# What a rank's own part of a collective call raises for bad input: shared with the other ranks.
+LOCAL_ERRORS = (ValueError, TypeError, NotImplementedError, KeyError)
+
+
+def agreed_call(entry: str, local_part: Callable[[], Fingerprint], group: dist.ProcessGroup | None,
+                device: Callable[[], torch.device], *, payload: Tensor | None = None) -> Fingerprint:
+    """One collective entry point: this rank's ``local_part`` (its checks and changes, returning
+    the fingerprint of the configuration they give), then the agreement over ``group``; the
+    fingerprint, or on every rank the same error if a rank failed or the ranks differ.
+    ``device`` is asked after ``local_part``, which may create the parameters it names."""
+    error, fingerprint = None, []
+    try:
+        fingerprint = local_part()
+    except LOCAL_ERRORS as err:
+        error = err
+    if group is not None:
+        agree(entry, fingerprint, group, device(), payload=payload, error=error)
+    if error is not None:
+        raise error
+    return fingerprint
+
+
 def agree_on_gradients(groups: Sequence[dict], muon: Sequence[tuple], here: Sequence[bool], policy: str,
                        group: dist.ProcessGroup | None, device: torch.device, words: tuple[int, int, int],
                        counter: CommCounter, names: Callable[[], list[str]]) -> list[bool] | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +137,23 @@ def default_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def job_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group an optimizer's ranks agree over (``process_group``, else the world), or None
+    in a single process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return process_group or dist.group.WORLD
+
+
+def collective_device(groups: Sequence[dict], group: dist.ProcessGroup | None) -> torch.device:
+    """Where an optimizer's small collectives run: its parameters' device (NCCL groups take
+    only CUDA tensors), else the backend's."""
+    device = next((p.device for g in groups for p in g["params"]), None)
+    if device is None:
+        return default_device(group) if group is not None else torch.device("cpu")
+    return device
 
 
 def all_gather_bytes(data: bytes, group: dist.ProcessGroup, device: torch.device | None = None,

@@ -132,6 +132,15 @@ def _check_range(name: str, value: Any, where: str, low: float, high: float | No
         raise ValueError(f"Invalid {name}={value!r}{where}. Must be {bound}.")
 
 
+def validate_defaults(defaults: dict[str, Any], options: EngineOptions) -> None:
+    """The constructor's arguments: the engine options, ``nonfinite_grads`` and both groups' defaults."""
+    options.validate()
+    if defaults["nonfinite_grads"] not in NONFINITE_POLICIES:
+        raise ValueError(f"Invalid nonfinite_grads={defaults['nonfinite_grads']!r}. Must be one of {NONFINITE_POLICIES}.")
+    validate_muon_group(defaults)
+    validate_adamw_group(adamw_options({}, defaults))
+
+
 def validate_muon_group(group: dict[str, Any], where: str = "") -> None:
     """Raise a ValueError naming the first bad Muon hyperparameter of a group."""
     lr = group["lr"]

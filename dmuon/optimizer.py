@@ -13,14 +13,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dmuon import param_groups
-from dmuon.agreement import agree, agree_on_gradients, digest_words
+from dmuon.agreement import agree_on_gradients, agreed_call, digest_words
 from dmuon.cuda_graphs import GraphedOrthogonalize
 from dmuon.elementwise import adamw_step, compile_kernels, update_momentum_of
 from dmuon.engine import Orthogonalizer, StepStats
-from dmuon.exchange import default_device
-from dmuon.hyperparameters import (
-    NONFINITE_POLICIES, EngineOptions, adamw_options, validate_adamw_group, validate_muon_group,
-)
+from dmuon.exchange import collective_device, job_group
+from dmuon.hyperparameters import EngineOptions, validate_defaults
 from dmuon.layout import owned_by
 from dmuon.orthogonalization import NORMALIZATION_EPS, orthogonalize
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
@@ -99,39 +97,32 @@ class Muon(torch.optim.Optimizer):
         cuda_graphs: bool = False,
     ) -> None:
         self._process_group = process_group  # first: a failure below is shared with the other ranks
-        error = None
-        try:
-            self._build(params, dict(
-                lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-                ns_method=ns_method, ns_dtype=ns_dtype, ns_restarts=ns_restarts, ns_blocks=ns_blocks,
-                adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_lr=adamw_lr,
-                adamw_weight_decay=adamw_weight_decay, nonfinite_grads=nonfinite_grads,
-            ), EngineOptions(comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products,
-                             compile, cuda_graphs))
-        except (ValueError, TypeError, NotImplementedError) as err:
-            error = err
-        group = self._agreement_group()
-        fingerprint = []
-        if group is not None:  # every rank learns of a failure on any rank, and raises too
-            fingerprint = self._fingerprint(self.param_groups) if error is None else []
-            agree("construction", fingerprint, group, self._collective_device(), error=error)
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
+            eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
+            ns_restarts=ns_restarts, ns_blocks=ns_blocks, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+            adamw_lr=adamw_lr, adamw_weight_decay=adamw_weight_decay, nonfinite_grads=nonfinite_grads,
+        )
+        options = EngineOptions(comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products, compile,
+                                cuda_graphs)
+
+        def build() -> list[tuple[str, str]]:
+            self._build(params, defaults, options)
+            return self._fingerprint(self.param_groups)
+
+        # every rank learns of a failure on any rank, and raises too
+        fingerprint = agreed_call("construction", build, self._agreement_group(), self._collective_device)
         # from here on add_param_group is collective; the step's agreement carries this digest
         self._fingerprint_words = digest_words(fingerprint)
-        if error is not None:
-            raise error
         if symmetric_products == "auto":  # a collective: after the ranks agree on the options
             from dmuon.timing import choose_symmetric_products  # imported only when measuring
 
-            self._symmetric_by_shape = choose_symmetric_products(self._muon_params(), self._collective_device(), group)
+            self._symmetric_by_shape.update(choose_symmetric_products(self._muon_params(), self._collective_device(),
+                                                                      self._agreement_group()))
 
     def _build(self, params: nn.Module | Iterable[Any], defaults: dict[str, Any], options: EngineOptions) -> None:
         """Everything the constructor does before the ranks compare notes (purely local)."""
-        options.validate()
-        if defaults["nonfinite_grads"] not in NONFINITE_POLICIES:
-            raise ValueError(f"Invalid nonfinite_grads={defaults['nonfinite_grads']!r}. Must be one of {NONFINITE_POLICIES}.")
-        validate_muon_group(defaults)
-        validate_adamw_group(adamw_options({}, defaults))
+        validate_defaults(defaults, options)
         if isinstance(params, (set, Tensor)):
             raise TypeError(f"params must be a module, or an ordered iterable of tensors or dicts, not a {type(params).__name__}.")
         self._module_roles: dict[int, str] = {}
@@ -149,7 +140,7 @@ class Muon(torch.optim.Optimizer):
         self._module_roles = {}  # used for routing at construction only; params may be swapped later
         blind = param_groups.shape_routing_warning(self.param_groups)
         if blind:
-            warnings.warn(blind, stacklevel=3)
+            warnings.warn(blind, stacklevel=5)  # _build <- build <- agreed_call <- __init__ <- the caller
         self.plans  # detects every layout now: an unsupported one raises before any collective
 
     def _make_engine(self) -> None:
@@ -162,15 +153,8 @@ class Muon(torch.optim.Optimizer):
         self._engine = Orthogonalizer(options.bucket_bytes, options.comm_dtype,
                                       orthogonalize_fn=GraphedOrthogonalize(ns) if options.cuda_graphs else ns)
         self._planner = StepPlanner(self._engine, self._process_group, options.replica_split, options.distributed_ns,
-                                    self._symmetric_for)
+                                    options.symmetric_products, self._symmetric_by_shape)
         self._plan: StepPlan | None = None
-
-    def _symmetric_for(self, shape: tuple[int, int]) -> str:
-        """The symmetric-product kernel for an m×n Newton–Schulz: the option, or with "auto" the
-        one measured faster for that shape (torch's for shapes not measured)."""
-        if self._options.symmetric_products != "auto":
-            return self._options.symmetric_products
-        return self._symmetric_by_shape.get(tuple(shape), "torch")
 
     # ------------------------------------------------------------------ groups
 
@@ -187,24 +171,21 @@ class Muon(torch.optim.Optimizer):
         if not hasattr(self, "_fingerprint_words"):  # from torch.optim.Optimizer.__init__: agreed after
             self._add_stored(build())
             return
-        group = self._agreement_group()
-        error, before = None, len(self.param_groups)
-        try:
+        before = len(self.param_groups)
+        # as many elements as step's agreement: a rank alone in here cannot hang the others
+        flags = torch.zeros(1 + len(self._muon_params()))
+
+        def add() -> list[tuple[str, str]]:
             self._add_stored(build())
-            fingerprint = self._fingerprint(self.param_groups)
-        except (ValueError, TypeError, NotImplementedError) as err:
-            error, fingerprint = err, []
-        if group is not None:
-            try:  # as many elements as step's agreement: a rank alone in here cannot hang the others
-                flags = torch.zeros(1 + sum(g["algorithms"].count("muon") for g in self.param_groups[:before]))
-                agree("add_param_group", fingerprint, group, self._collective_device(), payload=flags, error=error)
-            except BaseException:
-                del self.param_groups[before:]
-                raise
-            self._fingerprint_words = digest_words(fingerprint)
-        if error is not None:
+            return self._fingerprint(self.param_groups)
+
+        try:
+            fingerprint = agreed_call("add_param_group", add, self._agreement_group(), self._collective_device,
+                                      payload=flags)
+        except BaseException:
             del self.param_groups[before:]
-            raise error
+            raise
+        self._fingerprint_words = digest_words(fingerprint)
         self._plan = None
 
     def _add_stored(self, group: dict[str, Any]) -> None:
@@ -231,16 +212,10 @@ class Muon(torch.optim.Optimizer):
                 f"groups: {len(self.param_groups)})\n{self.routing_summary()}")
 
     def _muon_params(self) -> list[MuonEntry]:
-        """(name, param, group, matrix view) of every Muon parameter, in group order."""
-        out = []
-        for g, group in enumerate(self.param_groups):
-            out.extend((name, p, group, view) for name, p, alg, view
-                       in zip(param_groups.names_of(group, g), group["params"], group["algorithms"],
-                              group["matrix_views"]) if alg == "muon")
-        return out
+        return param_groups.muon_entries(self.param_groups)
 
     def _group_label(self, group: dict[str, Any]) -> str:
-        return str(group.get("name") or next(i for i, g in enumerate(self.param_groups) if g is group))
+        return param_groups.label_of(self.param_groups, group)
 
     def _fingerprint(self, groups: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
         return param_groups.fingerprint(groups, self._options.describe(), self.defaults["nonfinite_grads"])
@@ -298,21 +273,14 @@ class Muon(torch.optim.Optimizer):
         Checked before anything changes, naming the offending group or parameter: the groups'
         keys and routing, and every state tensor's shape against its parameter's; then the ranks
         compare the configuration the state would give them."""
-        error = None
-        try:
+        def check() -> list[tuple[str, str]]:
             param_groups.check_loadable(state_dict, self.param_groups)
-            loaded = [{**saved, "params": mine["params"], **({"param_names": mine["param_names"]}
-                                                              if "param_names" in mine else {})}
-                      for saved, mine in zip(state_dict["param_groups"], self.param_groups)]
-            fingerprint = self._fingerprint(loaded)
-        except (ValueError, TypeError, KeyError) as err:
-            error, fingerprint = err, []
-        group = self._agreement_group()
-        if group is not None:
-            flags = torch.zeros(1 + len(self._muon_params()))
-            agree("load_state_dict", fingerprint, group, self._collective_device(), payload=flags, error=error)
-        if error is not None:
-            raise error
+            return self._fingerprint([{**saved, "params": mine["params"],
+                                       **({"param_names": mine["param_names"]} if "param_names" in mine else {})}
+                                      for saved, mine in zip(state_dict["param_groups"], self.param_groups)])
+
+        fingerprint = agreed_call("load_state_dict", check, self._agreement_group(), self._collective_device,
+                                  payload=torch.zeros(1 + len(self._muon_params())))
         super().load_state_dict(state_dict)
         self._fingerprint_words = digest_words(fingerprint)
         self._plan = None
@@ -380,18 +348,10 @@ class Muon(torch.optim.Optimizer):
         return stepped
 
     def _names(self) -> list[str]:
-        """Every parameter's name, in group order (unnamed: ``"group{g}.param{i}"``)."""
-        return [n for g, group in enumerate(self.param_groups) for n in param_groups.names_of(group, g)]
+        return param_groups.all_names(self.param_groups)
 
     def _collective_device(self) -> torch.device:
-        """Where the optimizer's small collectives run: the parameters' device (NCCL groups take
-        only CUDA tensors)."""
-        device = next((p.device for g in getattr(self, "param_groups", ()) for p in g["params"]), None)
-        if device is None:  # no parameters (or construction failed before any): the backend's device
-            device = default_device(self._agreement_group())
-        return device
+        return collective_device(getattr(self, "param_groups", ()), self._agreement_group())
 
     def _agreement_group(self) -> dist.ProcessGroup | None:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return None
-        return self._process_group or dist.group.WORLD
+        return job_group(self._process_group)

@@ -155,6 +155,23 @@ def names_of(group: dict[str, Any], g: int) -> list[str]:
     return group.get("param_names") or [f"group{g}.param{i}" for i in range(len(group["params"]))]
 
 
+def muon_entries(groups: Sequence[dict[str, Any]]) -> list[tuple[str, Tensor, dict[str, Any], str]]:
+    """(name, param, group, matrix view) of every Muon parameter, in group order."""
+    return [(name, p, group, view) for g, group in enumerate(groups)
+            for name, p, alg, view in zip(names_of(group, g), group["params"], group["algorithms"], group["matrix_views"])
+            if alg == "muon"]
+
+
+def all_names(groups: Sequence[dict[str, Any]]) -> list[str]:
+    """Every parameter's name, in group order (unnamed: ``"group{g}.param{i}"``)."""
+    return [n for g, group in enumerate(groups) for n in names_of(group, g)]
+
+
+def label_of(groups: Sequence[dict[str, Any]], group: dict[str, Any]) -> str:
+    """A group's label in statistics: its ``"name"``, else its index."""
+    return str(group.get("name") or next(i for i, g in enumerate(groups) if g is group))
+
+
 def routes(groups: Sequence[dict[str, Any]]) -> dict[str, Route]:
     """Each parameter's route by name."""
     out = {}

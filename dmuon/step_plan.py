@@ -97,12 +97,20 @@ class StepPlanner:
     """Builds step plans for one optimizer (its options and engine)."""
 
     def __init__(self, engine: Orthogonalizer, process_group: dist.ProcessGroup | None, replica_split: bool | None,
-                 distributed_ns: bool | None, symmetric_for: Callable[[tuple[int, int]], str]) -> None:
+                 distributed_ns: bool | None, symmetric_products: str, measured: dict[tuple[int, int], str]) -> None:
         self.engine = engine
         self.process_group = process_group
         self.replica_split = replica_split
         self.distributed_ns = distributed_ns
-        self.symmetric_for = symmetric_for
+        self.symmetric_products = symmetric_products
+        self.measured = measured  # with "auto": the faster kernel per shape, measured at construction
+
+    def symmetric_for(self, shape: tuple[int, int]) -> str:
+        """The symmetric-product kernel for an m×n Newton–Schulz: the option, or with "auto" the
+        one measured faster for that shape (torch's for shapes not measured)."""
+        if self.symmetric_products != "auto":
+            return self.symmetric_products
+        return self.measured.get(tuple(shape), "torch")
 
     def build(self, key: tuple, entries: Sequence[MuonEntry], labels: Callable[[dict], str],
               device: torch.device) -> StepPlan:
