@@ -99,6 +99,9 @@ class StepStats:
     bytes_sent: int = 0
     collectives: int = 0
     gangs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # split matrices: name → global ranks
+    # every Newton–Schulz call, in order: (input shape, dtype, config, on column blocks), so that a
+    # benchmark can time the same calls alone (dmuon bench's optimizer-step efficiency)
+    ns_calls: list[tuple[tuple[int, ...], torch.dtype, NSConfig, bool]] = field(default_factory=list)
     # Newton–Schulz time: host seconds on CPU, (start, end) CUDA event pairs on CUDA, read lazily
     _ns_spans: list = field(default_factory=list)
 
@@ -112,11 +115,12 @@ class StepStats:
 
 
 class Timed:
-    """Times a block of device work into ``stats``: host time on CPU; CUDA events otherwise, so
-    that timing never synchronizes the step."""
+    """Times one Newton–Schulz call on ``x`` into ``stats`` and lists it there: host time on CPU;
+    CUDA events otherwise, so that timing never synchronizes the step."""
 
-    def __init__(self, stats: StepStats, device: torch.device) -> None:
-        self.stats, self.cuda = stats, device.type == "cuda"
+    def __init__(self, stats: StepStats, x: Tensor, config: NSConfig, *, column_blocks: bool = False) -> None:
+        self.stats, self.cuda = stats, x.device.type == "cuda"
+        stats.ns_calls.append((tuple(x.shape), x.dtype, config, column_blocks))
 
     def __enter__(self) -> None:
         if self.cuda:
@@ -157,7 +161,7 @@ class Context:
             # one contiguous copy, as every call before it: the same memory layout, the same result
             stacked = torch.cat([inputs[u] if whole else inputs[u][:, start: start + rows]
                                  for u, _, start, whole in members])
-            with Timed(self.stats, stacked.device):
+            with Timed(self.stats, stacked, config):
                 results = self.orthogonalize(stacked, config).split([works[u].count for u, _, _, _ in members])
             pieces.update(((u, b), r) for (u, b, _, _), r in zip(members, results))
             self.stats.matrices_orthogonalized += stacked.shape[0]

@@ -21,7 +21,7 @@ class ColumnBlocks:
             reduce = partial(all_reduce_sum, group=work.group, counter=ctx.counter)
             # the local width from the shape, not -1: an empty matrix has 0 elements either way
             block = io.inputs([index])[0].reshape(work.count, work.m, work.local_shape[-1])
-            with Timed(ctx.stats, block.device):
+            with Timed(ctx.stats, block, work.config, column_blocks=True):
                 update = orthogonalize_column_blocks(block, work.config, reduce)
             ctx.stats.matrices_orthogonalized += work.count
             ctx.stats.ns_flops += work.count * newton_schulz_flops(

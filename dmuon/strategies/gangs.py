@@ -134,8 +134,9 @@ class Gangs:
         """Distributed NS of this member's slice with the rest of its gang; its slice of the update."""
         work, sl = self.works[i], self.slices[i]
         reduce = partial(all_reduce_sum, group=self._group(work), counter=ctx.counter)
-        with Timed(ctx.stats, block.device):
-            update = orthogonalize_column_blocks(sl.to_column_block(block)[None], work.config, reduce)[0]
+        column_block = sl.to_column_block(block)[None]
+        with Timed(ctx.stats, column_block, work.config, column_blocks=True):
+            update = orthogonalize_column_blocks(column_block, work.config, reduce)[0]
         ctx.stats.matrices_orthogonalized += 1
         ctx.stats.gangs[work.name] = tuple(work.layout.group_ranks[p] for p in work.gang)
         ctx.stats.ns_flops += newton_schulz_flops(sl.short, update.shape[-1], steps=work.config.steps,

@@ -143,7 +143,7 @@ class PlannedExchange:
             updates: list[Tensor | None] = [None] * len(values)
             for (config, _, _), positions in zip(bucket.batches, bucket.stacks):
                 stacked = torch.stack([values[j] for j in positions])
-                with Timed(ctx.stats, stacked.device):
+                with Timed(ctx.stats, stacked, config):
                     results = ctx.orthogonalize(stacked, config)
                 ctx.stats.matrices_orthogonalized += stacked.shape[0]
                 for j, result in zip(positions, results.unbind(0)):

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 from torch import nn
@@ -59,9 +59,10 @@ def torch_muon(model: Llama, lr: float, weight_decay: float) -> list[torch.optim
     ]
 
 
-def dmuon_muon(model: Llama, lr: float, weight_decay: float) -> list[torch.optim.Optimizer]:
-    """Configuration (c): one ``dmuon.Muon`` that routes the parameters itself."""
-    return [dmuon.Muon(model, lr=lr, weight_decay=weight_decay)]
+def dmuon_muon(model: Llama, lr: float, weight_decay: float, **options: Any) -> list[torch.optim.Optimizer]:
+    """Configuration (c): one ``dmuon.Muon`` that routes the parameters itself (``options``: more
+    of its keyword arguments)."""
+    return [dmuon.Muon(model, lr=lr, weight_decay=weight_decay, **options)]
 
 
 CONFIGS: dict[str, OptimizerFactory] = {

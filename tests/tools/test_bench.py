@@ -39,7 +39,12 @@ def test_tiny_run_writes_json(tmp_path):
                                "round_opt_step_ms", "round_step_ms", "opt_step_vs_vanilla",
                                "opt_step_vs_vanilla_min", "opt_step_vs_vanilla_max", "step_vs_adamw",
                                "step_vs_adamw_min", "step_vs_adamw_max", "mem_vs_adamw", "other_jobs_cores",
-                               "warnings", "trustworthy"}
+                               "warnings", "trustworthy",
+                               # added: the busiest rank's Newton–Schulz alone per round, over the opt step
+                               "round_ns_alone_ms", "opt_step_efficiency", "opt_step_efficiency_min",
+                               "opt_step_efficiency_max"}
+    assert records[0]["opt_step_efficiency"] is None and records[0]["round_ns_alone_ms"] == []
+    assert all(r["opt_step_efficiency"] > 0 and len(r["round_ns_alone_ms"]) == 1 for r in records[1:])
     # one measured step is one round: no spread to judge the ratios by, and the run says so
     assert not records[0]["trustworthy"] and any("only one round" in w for w in records[0]["warnings"])
 

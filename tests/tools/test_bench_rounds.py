@@ -10,7 +10,7 @@ import json
 import pytest
 
 import dmuon.tools.bench as bench
-from dmuon.tools.bench import BenchResult, Load, format_table, json_records, run_rounds, summarize
+from dmuon.tools.bench import BenchResult, Load, format_table, json_records, run_rounds, run_warnings, summarize
 from dmuon.tools.cli import main
 
 
@@ -48,6 +48,9 @@ class FakeTrainer:
 
     def release(self) -> None:
         pass
+
+    def ns_alone_s(self) -> float | None:
+        return None
 
 
 def _trainers(clock, calls, times=None):
@@ -164,3 +167,71 @@ def test_run_times_every_configuration_in_one_set_of_ranks(monkeypatch, tmp_path
     assert records[2]["opt_step_vs_vanilla"] == pytest.approx(1.5) and records[2]["mem_vs_adamw"] == 0.5
     assert records[2]["step_vs_adamw_min"] == pytest.approx(3.0) == records[2]["step_vs_adamw_max"]
     assert {"warnings", "trustworthy", "other_jobs_cores", "round_step_ms"} <= set(records[0])
+
+
+def test_efficiency_is_newton_schulz_alone_over_the_opt_step_per_round(fake_clock):
+    """The busiest rank's Newton–Schulz time alone (here 0.8 s, scaled by the round's load like the
+    step) over the optimizer step (1.0 s): 0.8 in every round, whatever the load."""
+    trainers = _trainers(fake_clock, [])
+    dmuon = trainers["fsdp-dmuon"]
+    dmuon.ns_alone_s = lambda: 0.8 * fake_clock.load
+    for trainer in trainers.values():
+        trainer.load_by_step = [1.0, 3.0, 1.0, 3.0]
+    results = list(summarize(run_rounds(trainers, warmup=0, steps=4, steps_per_round=1), 2).values())
+    by_name = {r.config: r for r in results}
+    assert by_name["fsdp-dmuon"].round_ns_alone_ms == pytest.approx((800.0, 2400.0, 800.0, 2400.0))
+    assert by_name["fsdp-adamw"].round_ns_alone_ms == ()
+    records = {r["config"]: r for r in json_records(results, Load(0.0, 2))}
+    assert records["fsdp-dmuon"]["opt_step_efficiency"] == pytest.approx(0.8)
+    assert records["fsdp-dmuon"]["opt_step_efficiency_min"] == pytest.approx(0.8)
+    assert records["fsdp-adamw"]["opt_step_efficiency"] is None
+    table = format_table(results, Load(0.0, 2))
+    assert "opt step efficiency" in table.splitlines()[0]
+    assert "0.80 (0.80-0.80)" in next(line for line in table.splitlines() if line.startswith("fsdp-dmuon"))
+    assert "0.80 of it Newton–Schulz on the busiest rank" in table
+
+
+def test_ns_alone_replays_the_last_steps_newton_schulz_calls(monkeypatch):
+    """A real dmuon step lists its Newton–Schulz calls (one stacked call per shape here); the
+    replay runs exactly those calls, with the same shapes, dtypes and configurations."""
+    import torch
+
+    import dmuon
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(32, 32, bias=False),
+                                torch.nn.Linear(32, 32, bias=False))
+    opt = dmuon.Muon(model.parameters(), lr=0.02)
+    model(torch.randn(4, 16)).square().sum().backward()
+    opt.step()
+    calls = opt.last_step_stats.ns_calls
+    assert sorted(shape for shape, _, _, _ in calls) == [(1, 32, 16), (2, 32, 32)]
+    replayed = []
+    monkeypatch.setattr(bench, "orthogonalize", lambda x, config: replayed.append((tuple(x.shape), x.dtype, config)))
+    assert bench.time_ns_calls(calls, torch.device("cpu")) >= 0
+    assert replayed == [(shape, dtype, config) for shape, dtype, config, _ in calls]
+
+
+@pytest.mark.parametrize("native,preset", [(True, "bench"), (False, "demo")])
+def test_auto_preset_is_bench_only_where_bf16_products_are_native(monkeypatch, native, preset):
+    """vanilla Muon orthogonalizes in bf16: where the CPU emulates it, the default is the demo preset."""
+    import argparse
+
+    monkeypatch.setattr(bench, "native_bf16", lambda device: native)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args([])
+    bench.check_arguments(args)
+    assert args.preset == preset
+    forced = parser.parse_args(["--preset", "bench"])
+    bench.check_arguments(forced)
+    assert forced.preset == "bench"
+
+
+def test_adamws_jittery_opt_step_against_vanilla_does_not_warn():
+    """AdamW's few-ms optimizer step over vanilla Muon's spreads with jitter and judges nothing;
+    a dmuon ratio with the same spread warns."""
+    vanilla = BenchResult("fsdp-torch-muon", 2, 100.0, 200.0, None, 0, 4.0, (100.0, 100.0), (200.0, 200.0))
+    adamw = BenchResult("fsdp-adamw", 2, 1.5, 100.0, None, 0, 5.0, (1.0, 2.0), (100.0, 100.0))
+    assert run_warnings([adamw, vanilla], Load(0.0, 2)) == []
+    dmuon = BenchResult("fsdp-dmuon", 2, 50.0, 150.0, None, 0, 4.0, (40.0, 80.0), (150.0, 150.0))
+    assert any("fsdp-dmuon opt step vs vanilla" in w for w in run_warnings([adamw, vanilla, dmuon], Load(0.0, 2)))
