@@ -78,7 +78,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dmuon.orthogonalization import NAMED_COEFFICIENTS, orthogonalize, orthogonalize_column_blocks
 from dmuon.owner import OwnerSharding, shard_by_owner
 from dmuon.tools.cli import (
-    UsageError, check_seq_len, name_list, non_negative_float, non_negative_int, output_path, positive_float,
+    UsageError, check_plot, check_seq_len, name_list, non_negative_float, non_negative_int, output_path, positive_float,
     positive_int,
 )
 from dmuon.tools.demo import CONFIGS as OPTIMIZERS
@@ -671,11 +671,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         if args.world_size > visible:
             raise UsageError("--world-size", f"invalid value {args.world_size}: --device cuda runs one rank per "
                                              f"GPU, and {visible} are visible")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot", "needs matplotlib: pip install 'dmuon[bench]'") from None
+    check_plot(args.plot)
 
 
 def native_bf16(device: str) -> bool:

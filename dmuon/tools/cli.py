@@ -23,6 +23,8 @@ SUBCOMMANDS = {
     "demo": ("dmuon.tools.demo", "compare AdamW, torch.optim.Muon and dmuon.Muon on a small model (CPU)"),
     "bench": ("dmuon.tools.bench", "DDP and FSDP2 x AdamW, vanilla Muon and dmuon.Muon on gloo ranks it spawns"),
     "plan": ("dmuon.tools.plan_cli", "dmuon's plan and predicted step time at N ranks"),
+    "quality": ("dmuon.tools.quality", "AdamW vs torch.optim.Muon vs dmuon.Muon on the standard library's source: "
+                "validation loss, lr sweeps, steps to a target (CPU)"),
 }
 
 
@@ -32,6 +34,15 @@ class UsageError(Exception):
 
     def __init__(self, option: str, message: str) -> None:
         super().__init__(f"argument {option}: {message}")
+
+
+def check_plot(path: str | None) -> None:
+    """A ``--plot`` that can be drawn: matplotlib importable (a :class:`UsageError` otherwise)."""
+    if path:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            raise UsageError("--plot", "needs matplotlib: pip install 'dmuon[bench]'") from None
 
 
 # ---------------------------------------------------------------------------- argument types

@@ -33,6 +33,27 @@ What each one does with the orthogonalization on several ranks (checked on 2 glo
   earlier release of muonium 0.2.0 (same code base, renamed).
 - heavyball (DDP and FSDP2): no split; a single-device optimizer that all-gathers DTensor
   update, gradient and parameter and orthogonalizes every matrix on every rank.
+
+Newton–Schulz (``PeerSpec.newton_schulz``, read from their sources at the pinned versions;
+``PeerSpec.ns_coefficients`` names dmuon's schedule of the same polynomials, which ``dmuon bench
+--ns-coefficients`` sets for dmuon's configurations). All of them, and both bench baselines, run 5 steps of the standard quintic iteration (three matrix
+products a step) on a bf16 copy of the update; they differ only in the coefficients, which do
+not change the cost:
+
+- ``torch-muon`` (torch.optim.Muon, the bench's vanilla Muon): Keller Jordan's quintic
+  (3.4445, -4.775, 2.0315) at every step, bf16, normalized in bf16.
+- ``dmuon`` in the bench (``demo.dmuon_muon``, dmuon.Muon's defaults): the Polar Express
+  schedule (safety 1.05), standard NS in bf16 on CPU, normalized in fp32.
+  ``--ns-coefficients keller`` makes it run what torch-muon and four of the peers run.
+- muon-optimizer, muon-fsdp2: Keller's quintic, hard-coded (muon-fsdp2 takes ``ns_steps``;
+  muon-optimizer's ``MuonWithAuxAdam`` always runs 5), bf16.
+- muonium, dtensor-muon: ``orthogonalization_strategy="newton_schulz"`` (set here) is Keller's
+  quintic, bf16; their default ``"polar_express"`` is another Polar Express table (nanochat's:
+  coefficients scaled for safety about 1.016, input norm times 1.02), not dmuon's, so Keller is
+  the one setting they share with the others.
+- heavyball: You Jiacheng's 5-step schedule, hard-coded (``assert steps == 5``), on a copy
+  rounded to bf16 *stochastically*; its ``zeroth_power_mode`` switch reaches square matrices
+  only (every other shape takes that schedule), so it cannot be set to Keller's.
 """
 
 from __future__ import annotations
@@ -60,7 +81,9 @@ class PeerSpec:
     ``imports`` are the modules that must import for the factory to work (the package itself
     first, then any undeclared hard import of it), as ``"module:attribute"`` where the module
     name alone is ambiguous; ``parallel`` the bench modes it runs under on CPU/gloo;
-    ``distributes`` one line on how it splits the orthogonalization over ranks.
+    ``distributes`` one line on how it splits the orthogonalization over ranks;
+    ``newton_schulz`` what its orthogonalization runs as configured here, and
+    ``ns_coefficients`` the ``dmuon.newton_schulz`` schedule of the same polynomials.
     """
 
     package: str  # PyPI distribution name
@@ -69,6 +92,8 @@ class PeerSpec:
     parallel: frozenset[str]
     factory: OptimizerFactory
     distributes: str
+    newton_schulz: str
+    ns_coefficients: str
 
     def import_error(self) -> str | None:
         """Why the peer cannot be used right now (``"ModuleNotFoundError: ..."``), or None."""
@@ -294,22 +319,32 @@ PEERS: dict[str, PeerSpec] = {
         package="muon-optimizer", version="0.1.0", imports=("muon:MuonWithAuxAdam",), parallel=frozenset({"ddp"}),
         factory=keller_muon,
         distributes="round-robin per matrix within each shape group, then an all-gather of the parameters",
+        newton_schulz="Keller (3.4445, -4.775, 2.0315) x 5, bf16; coefficients and steps fixed",
+        ns_coefficients="keller",
     ),
     "muon-fsdp2": PeerSpec(
         package="muon-fsdp2", version="0.3.0", imports=("muon_fsdp2",), parallel=frozenset({"fsdp"}),
         factory=muon_fsdp2, distributes="owner rank per matrix (round-robin): gather, NS on the owner, scatter",
+        newton_schulz="Keller (3.4445, -4.775, 2.0315) x 5 (ns_steps), bf16; coefficients fixed",
+        ns_coefficients="keller",
     ),
     "muonium": PeerSpec(
         package="muonium", version="0.2.0", imports=("muonium", "triton"), parallel=PARALLEL_MODES,
         factory=muonium, distributes="none on CPU: every rank all-gathers and orthogonalizes every matrix",
+        newton_schulz="Keller (3.4445, -4.775, 2.0315) x 5, bf16 (orthogonalization_strategy='newton_schulz')",
+        ns_coefficients="keller",
     ),
     "dtensor-muon": PeerSpec(
         package="dtensor-muon", version="0.1.0", imports=("dtensor_muon", "triton"), parallel=PARALLEL_MODES,
         factory=dtensor_muon, distributes="none on CPU: every rank all-gathers and orthogonalizes every matrix",
+        newton_schulz="Keller (3.4445, -4.775, 2.0315) x 5, bf16 (orthogonalization_strategy='newton_schulz')",
+        ns_coefficients="keller",
     ),
     "heavyball": PeerSpec(
         package="heavyball", version="3.2.1", imports=("heavyball", "opt_einsum"), parallel=PARALLEL_MODES,
         factory=heavyball_muon, distributes="none: every rank all-gathers and orthogonalizes every matrix",
+        newton_schulz="You Jiacheng's 5-step schedule, bf16 by stochastic rounding; schedule and steps fixed",
+        ns_coefficients="you",
     ),
 }
 

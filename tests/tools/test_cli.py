@@ -38,7 +38,7 @@ def no_expensive_work(monkeypatch):
     monkeypatch.setattr(dmuon.tools.plan_cli, "measure_one_rank_seconds", _forbidden("time a training step"))
 
 
-def _rejects(argv: list[str], capsys) -> str:
+def rejects(argv: list[str], capsys) -> str:
     """Run ``dmuon argv``: it must exit with status 2; its stderr."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -91,7 +91,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize(("argv", "option", "detail"), BAD_INPUTS, ids=[" ".join(a) for a, _, _ in BAD_INPUTS])
 def test_bad_input_is_one_clear_error(argv, option, detail, capsys):
-    last = _rejects(argv, capsys).strip().splitlines()[-1]
+    last = rejects(argv, capsys).strip().splitlines()[-1]
     assert f"argument {option}: " in last and detail in last
 
 
@@ -99,7 +99,7 @@ def test_bad_input_is_one_clear_error(argv, option, detail, capsys):
 def test_unreadable_config_json_is_one_clear_error(tmp_path, capsys, content):
     path = tmp_path / "config.json"
     path.write_text(content)
-    last = _rejects(["plan", "--model", str(path)], capsys).strip().splitlines()[-1]
+    last = rejects(["plan", "--model", str(path)], capsys).strip().splitlines()[-1]
     assert "argument --model: " in last and str(path) in last and "config.json" in last
 
 

@@ -1,0 +1,500 @@
+"""``dmuon quality``: AdamW vs torch.optim.Muon vs dmuon.Muon on real text, validation loss vs step.
+
+``dmuon demo`` trains on a synthetic Markov chain, which says little about how well an optimizer
+trains a language model. This command trains the same Llama-style model on text that every
+machine already has, so that nothing is downloaded: the source of the running Python's standard
+library.
+
+Method:
+
+* **Corpus.** Every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` (or ``--corpus DIR``),
+  sorted by relative path, read as bytes: one byte is one token (vocabulary 256). Files under
+  ``site-packages`` / ``dist-packages`` are left out (third-party packages, different on every
+  machine), and so is the top-level ``test`` package (several Linux distributions ship it
+  separately). Every 20th file in that order is validation, the others are training, so the two
+  share no file; each side is its files concatenated.
+* **Batches.** A training batch is ``batch_size`` windows of ``seq_len + 1`` bytes at offsets
+  drawn from a generator seeded by ``(seed, step)``: every run sees the same batches in the same
+  order. The validation set is fixed: ``val_batches * batch_size`` windows at evenly spaced
+  offsets over the whole validation text.
+* **Runs.** Each optimizer (the factories of ``dmuon demo``) trains the model from the same seed,
+  hence the same initial weights, once per learning rate of its sweep, for the same number of
+  steps, under the same schedule (:func:`lr_factor`). The validation loss (mean cross-entropy in
+  nats per byte) is measured before training, every ``eval_every`` steps and after the last step.
+* **Reading.** An optimizer's best learning rate is the one with the lowest final validation
+  loss. Its steps to the target are those of the first evaluation at or below ``--target-loss``
+  (so they are exact to ``eval_every`` steps); its seconds are the training time (forward,
+  backward, optimizer step) up to that evaluation, evaluations excluded. The runs go one after
+  the other in one process, so seconds on a shared machine are noisier than steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dmuon.tools.cli import UsageError, check_plot, name_list, non_negative_float, output_path, positive_float, positive_int
+from dmuon.tools.demo import CONFIGS, OptimizerFactory
+from dmuon.tools.models import Llama, LlamaConfig, param_count
+
+VOCAB_SIZE = 256  # byte-level tokens
+HEAD_DIM = 32
+VAL_EVERY = 20  # every 20th file is validation
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
+
+# Per optimizer: a sweep around its good region at the default scale. torch-muon and dmuon use
+# adjust_lr_fn="match_rms_adamw", so their lr is on AdamW's scale (and also drives the AdamW
+# that trains their embeddings, head and norms).
+# Four lrs each (the same budget), doubling, chosen after a first sweep of three (AdamW 2e-3,
+# 4e-3, 8e-3; both Muons 4e-3, 8e-3, 1.6e-2) put AdamW's best at its lowest lr and the Muons'
+# at their highest: each sweep now reaches past its best on the side where it was cut.
+DEFAULT_LRS: dict[str, tuple[float, ...]] = {
+    "adamw": (5e-4, 1e-3, 2e-3, 4e-3),
+    "torch-muon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
+    "dmuon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
+}
+# Just above AdamW's best final loss in that first sweep (2.33), so that every optimizer can
+# reach it within the default budget and steps to it compare them.
+DEFAULT_TARGET_LOSS = 2.4
+
+
+# ---------------------------------------------------------------------------- the corpus
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Training and validation bytes (uint8 tensors) and the files each came from."""
+
+    root: str
+    train: torch.Tensor
+    val: torch.Tensor
+    train_files: tuple[str, ...]
+    val_files: tuple[str, ...]
+
+
+def default_corpus_root() -> str:
+    """The running Python's standard library folder."""
+    return sysconfig.get_paths()["stdlib"]
+
+
+def source_files(root: str) -> list[str]:
+    """Relative paths of the ``*.py`` files under ``root``, sorted; without installed packages or
+    the top-level ``test`` package (see the module docstring)."""
+    base = Path(root)
+    paths = []
+    for path in base.rglob("*.py"):
+        parts = path.relative_to(base).parts
+        if EXCLUDED_DIRS.isdisjoint(parts[:-1]) and parts[0] != "test" and path.is_file():
+            paths.append(path.relative_to(base).as_posix())
+    return sorted(paths)
+
+
+def split_files(paths: Sequence[str], val_every: int = VAL_EVERY) -> tuple[list[str], list[str]]:
+    """``(train, val)``: every ``val_every``-th path (the last of each group) is validation."""
+    val = [p for i, p in enumerate(paths) if i % val_every == val_every - 1]
+    train = [p for i, p in enumerate(paths) if i % val_every != val_every - 1]
+    return train, val
+
+
+def _read_bytes(root: str, paths: Sequence[str]) -> torch.Tensor:
+    data = b"".join(Path(root, p).read_bytes() for p in paths)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def load_corpus(root: str | None = None) -> Corpus:
+    """The corpus under ``root`` (default: :func:`default_corpus_root`), split into train and val."""
+    root = root or default_corpus_root()
+    train_files, val_files = split_files(source_files(root))
+    return Corpus(root, _read_bytes(root, train_files), _read_bytes(root, val_files),
+                  tuple(train_files), tuple(val_files))
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _windows(text: torch.Tensor, offsets: torch.Tensor, seq_len: int) -> Batch:
+    """``(inputs, targets)`` of the ``seq_len + 1``-byte windows at ``offsets``, as token ids."""
+    window = text[offsets[:, None] + torch.arange(seq_len + 1)].long()
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def train_batch(text: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int) -> Batch:
+    """Training batch ``step``: a pure function of its arguments, whatever was drawn before it."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**63)
+    offsets = torch.randint(len(text) - seq_len, (batch_size,), generator=generator)
+    return _windows(text, offsets, seq_len)
+
+
+def val_batches(text: torch.Tensor, n_batches: int, batch_size: int, seq_len: int) -> list[Batch]:
+    """The fixed validation set: windows at evenly spaced offsets over all of ``text``."""
+    offsets = torch.linspace(0, len(text) - seq_len - 1, n_batches * batch_size).long()
+    return [_windows(text, chunk, seq_len) for chunk in offsets.split(batch_size)]
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def model_config(dim: int, layers: int, seq_len: int) -> LlamaConfig:
+    """A byte-vocabulary Llama of width ``dim`` (a multiple of 32): 32-wide heads, two query heads
+    per key/value head where there are two or more, SwiGLU width 3 * dim."""
+    heads = dim // HEAD_DIM
+    return LlamaConfig(vocab_size=VOCAB_SIZE, dim=dim, ffn_dim=3 * dim, n_layers=layers, n_heads=heads,
+                       n_kv_heads=heads // 2 if heads % 2 == 0 else heads, head_dim=HEAD_DIM, max_seq_len=seq_len)
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """Multiplier of the lr at 0-based ``step`` of ``steps``: linear warm-up over the first 5 %,
+    constant, linear decay to 0 over the last 20 %. The same for every optimizer; the decay lets
+    the final loss be read off the last evaluation instead of a noisy constant-lr plateau."""
+    warmup, cooldown = max(1, steps // 20), max(1, steps // 5)
+    return min(1.0, (step + 1) / warmup, (steps - step) / cooldown)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One optimizer at one learning rate: its validation curve."""
+
+    optimizer: str
+    lr: float
+    steps: int  # steps trained; fewer than asked if the training loss stopped being finite
+    diverged: bool
+    curve: tuple[tuple[int, float, float], ...]  # (step, training seconds so far, validation loss)
+
+    @property
+    def final_val_loss(self) -> float | None:
+        return None if self.diverged else self.curve[-1][2]
+
+
+@torch.no_grad()
+def evaluate(model: Llama, batches: Sequence[Batch]) -> float:
+    """Mean validation loss over ``batches`` (equal-sized, so the mean of means is the token mean)."""
+    return sum(model.loss(inputs, targets).item() for inputs, targets in batches) / len(batches)
+
+
+def train_run(
+    optimizer: str,
+    make_optimizer: OptimizerFactory,
+    lr: float,
+    *,
+    config: LlamaConfig,
+    corpus: Corpus,
+    val: Sequence[Batch],
+    steps: int,
+    eval_every: int,
+    batch_size: int,
+    weight_decay: float,
+    seed: int,
+    progress: Callable[[int, float], None] | None = None,
+) -> Run:
+    """Train ``Llama(config, seed)`` on ``corpus.train`` for ``steps`` steps at peak ``lr``.
+
+    A run whose training loss is not finite stops there (``diverged``): its later steps would
+    say nothing and cost as much as good ones. ``progress(step, val_loss)`` follows each evaluation.
+    """
+    model = Llama(config, seed=seed)
+    optimizers = make_optimizer(model, lr, weight_decay)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, steps)) for o in optimizers]
+    curve = [(0, 0.0, evaluate(model, val))]
+    seconds = 0.0
+    for step in range(1, steps + 1):
+        inputs, targets = train_batch(corpus.train, step - 1, batch_size, config.max_seq_len, seed)
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        loss = model.loss(inputs, targets)
+        loss.backward()
+        for opt, scheduler in zip(optimizers, schedulers):
+            opt.step()
+            scheduler.step()
+        seconds += time.perf_counter() - start
+        if not math.isfinite(loss.item()):
+            return Run(optimizer, lr, step, True, tuple(curve))
+        if step % eval_every == 0 or step == steps:
+            curve.append((step, seconds, evaluate(model, val)))
+            if progress is not None:
+                progress(step, curve[-1][2])
+    return Run(optimizer, lr, steps, False, tuple(curve))
+
+
+# ---------------------------------------------------------------------------- reading the runs
+
+
+def time_to_target(curve: Sequence[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
+    """``(step, seconds)`` of the first point of ``curve`` at or below ``target``; None if none is."""
+    return next(((step, seconds) for step, seconds, loss in curve if loss <= target), None)
+
+
+def best_run(runs: Sequence[Run]) -> Run:
+    """The run with the lowest final validation loss (diverged runs last; the first on ties)."""
+    return min(runs, key=lambda r: math.inf if r.final_val_loss is None else r.final_val_loss)
+
+
+def best_runs(runs: Sequence[Run]) -> dict[str, Run]:
+    """Each optimizer's best run, in the order the optimizers first appear in ``runs``."""
+    names = list(dict.fromkeys(r.optimizer for r in runs))
+    return {name: best_run([r for r in runs if r.optimizer == name]) for name in names}
+
+
+def winner(best: dict[str, Run], target: float) -> str | None:
+    """The optimizer whose best run reached ``target`` in the fewest steps (then seconds); None if none did."""
+    reached = {name: time_to_target(run.curve, target) for name, run in best.items()}
+    reached = {name: hit for name, hit in reached.items() if hit is not None}
+    return min(reached, key=lambda name: reached[name]) if reached else None
+
+
+def _fmt_loss(loss: float | None) -> str:
+    return "diverged" if loss is None else f"{loss:.4f}"
+
+
+def _fmt_hit(run: Run, target: float) -> tuple[str, str]:
+    hit = time_to_target(run.curve, target)
+    return ("not reached", "-") if hit is None else (str(hit[0]), f"{hit[1]:.1f}")
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def format_runs(runs: Sequence[Run], target: float) -> str:
+    """Every run: optimizer, lr, final validation loss, steps and seconds to ``target``; ``*`` marks
+    each optimizer's best lr."""
+    best = best_runs(runs)
+    rows = [("optimizer", "lr", "best", "final val loss", f"steps to {target:g}", "seconds")]
+    rows += [(r.optimizer, f"{r.lr:g}", "*" if best[r.optimizer] is r else "", _fmt_loss(r.final_val_loss),
+              *_fmt_hit(r, target)) for r in runs]
+    return _table(rows)
+
+
+def format_summary(runs: Sequence[Run], target: float) -> str:
+    """One row per optimizer: the lrs tried and what its best lr reached."""
+    rows = [("optimizer", "lrs tried", "best lr", "final val loss", f"steps to {target:g}", "seconds")]
+    for name, run in best_runs(runs).items():
+        tried = ",".join(f"{r.lr:g}" for r in runs if r.optimizer == name)
+        rows.append((name, tried, f"{run.lr:g}", _fmt_loss(run.final_val_loss), *_fmt_hit(run, target)))
+    return _table(rows)
+
+
+def summary_sentence(runs: Sequence[Run], target: float) -> str:
+    """Who reached ``target`` first, at its best lr, in steps; and whether it was also first in seconds."""
+    best = best_runs(runs)
+    first = winner(best, target)
+    if first is None:
+        lowest = best_run(list(best.values()))
+        return (f"No optimizer reached validation loss {target:g} within {lowest.steps} steps; the lowest final "
+                f"validation loss was {lowest.optimizer}'s {_fmt_loss(lowest.final_val_loss)} (lr {lowest.lr:g}).")
+    hits = {name: time_to_target(run.curve, target) for name, run in best.items()}
+    others = [f"{name} at {hit[0]} ({hit[1]:.0f} s)" if hit else f"{name} did not reach it"
+              for name, hit in hits.items() if name != first]
+    fastest = min((name for name, hit in hits.items() if hit), key=lambda name: hits[name][1])
+    in_seconds = ("it was also first in seconds" if fastest == first
+                  else f"in training seconds {fastest} was first ({hits[fastest][1]:.0f} s)")
+    step, seconds = hits[first]
+    return (f"{first} reached validation loss {target:g} first, at its best lr {best[first].lr:g}: step {step} "
+            f"({seconds:.0f} s), vs {', '.join(others) or 'no other optimizer'}; {in_seconds}.")
+
+
+def json_record(runs: Sequence[Run], target: float, settings: dict, corpus: Corpus) -> dict:
+    """What ``--json`` writes: the settings, the corpus, every run with its curve, and the winner."""
+    best = best_runs(runs)
+
+    def record(run: Run) -> dict:
+        hit = time_to_target(run.curve, target)
+        return {
+            "optimizer": run.optimizer, "lr": run.lr, "steps": run.steps, "diverged": run.diverged,
+            "best": best[run.optimizer] is run, "final_val_loss": run.final_val_loss,
+            "steps_to_target": hit and hit[0], "seconds_to_target": hit and hit[1],
+            "curve": [{"step": s, "seconds": t, "val_loss": v} for s, t, v in run.curve],
+        }
+
+    return {
+        "settings": {**settings, "target_loss": target},
+        "corpus": {"root": corpus.root, "python": sysconfig.get_python_version(),
+                   "train_files": len(corpus.train_files), "val_files": len(corpus.val_files),
+                   "train_bytes": len(corpus.train), "val_bytes": len(corpus.val)},
+        "runs": [record(r) for r in runs],
+        "winner": winner(best, target),
+    }
+
+
+def plot(runs: Sequence[Run], target: float, title: str, path: str) -> None:
+    """Validation loss vs step (PNG): each optimizer's best lr bold, its other lrs faint, the target dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = best_runs(runs)
+    colors = dict(zip(best, ("tab:gray", "tab:blue", "tab:red", "tab:green")))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        steps, losses = [p[0] for p in run.curve], [p[2] for p in run.curve]
+        is_best = best[run.optimizer] is run
+        ax.plot(steps, losses, color=colors.get(run.optimizer), alpha=1.0 if is_best else 0.3,
+                linewidth=2 if is_best else 1, label=f"{run.optimizer} lr {run.lr:g}" if is_best else None)
+    ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:g}")
+    # from the first evaluation after step 0 on: the untrained loss would squash the curves flat
+    trained = [p[2] for r in runs for p in r.curve[1:]] + [target]
+    ax.set_ylim(min(trained) - 0.05, min(max(trained), math.log(VOCAB_SIZE)) + 0.1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats per byte)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def lr_list(text: str) -> list[float]:
+    """``type=`` of a comma-separated, non-empty list of learning rates > 0."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: no learning rates given")
+    return [positive_float(item) for item in items]
+
+
+lr_list.__name__ = "learning-rate list"
+
+
+def directory(text: str) -> str:
+    """``type=`` of a folder that exists."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"invalid path {text!r}: not an existing folder")
+    return text
+
+
+def _lrs_option(name: str) -> str:
+    return f"--{name}-lrs"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``dmuon quality``; the defaults take about 7 minutes on this project's 2-core CPU."""
+    parser.add_argument("--optimizers", type=name_list(CONFIGS), default=list(CONFIGS),
+                        help="comma-separated optimizers to compare, in order: adamw (AdamW on everything), "
+                             "torch-muon (torch.optim.Muon on the block matrices + AdamW on the rest), dmuon "
+                             "(dmuon.Muon) (default: all)")
+    for name, lrs in DEFAULT_LRS.items():
+        parser.add_argument(_lrs_option(name), type=lr_list, default=list(lrs), metavar="LRS",
+                            help=f"comma-separated peak learning rates of {name} (default: "
+                                 f"{','.join(f'{lr:g}' for lr in lrs)})")
+    parser.add_argument("--steps", type=positive_int, default=200, help="steps of every run (default: %(default)s)")
+    parser.add_argument("--eval-every", type=positive_int, default=20,
+                        help="steps between validation evaluations (default: %(default)s)")
+    parser.add_argument("--val-batches", type=positive_int, default=8,
+                        help="batches of the fixed validation set (default: %(default)s)")
+    parser.add_argument("--target-loss", type=positive_float, default=DEFAULT_TARGET_LOSS,
+                        help="validation loss (nats per byte) whose steps and seconds to reach are reported "
+                             "(default: %(default)s)")
+    parser.add_argument("--dim", type=positive_int, default=64,
+                        help="model width, a multiple of 32 (default: %(default)s)")
+    parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks (default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--seq-len", type=positive_int, default=64,
+                        help="bytes per sequence (default: %(default)s)")
+    parser.add_argument("--weight-decay", type=non_negative_float, default=0.1,
+                        help="decoupled weight decay (default: %(default)s)")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch intra-op threads; on a busy machine 2 threads on 2 cores ran 20x slower than 1 "
+                             "(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the weights and the batches (default: %(default)s)")
+    parser.add_argument("--corpus", metavar="DIR", type=directory,
+                        help="train on the *.py files under DIR instead (default: this Python's standard library)")
+    parser.add_argument("--json", metavar="PATH", type=output_path,
+                        help="write the settings, every run's curve and the winner to PATH (default: none)")
+    parser.add_argument("--plot", metavar="PATH", type=output_path,
+                        help="write a PNG of the validation curves; needs matplotlib (default: none)")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """What spans several arguments or needs the corpus, checked before any training starts.
+
+    Reads the corpus (a second or so) and keeps it in ``args.corpus_data`` so that it is read once.
+    """
+    if args.dim % HEAD_DIM:
+        raise UsageError("--dim", f"invalid value {args.dim}: must be a multiple of {HEAD_DIM} (the head width)")
+    check_plot(args.plot)
+    corpus = load_corpus(args.corpus)
+    for side, text in (("training", corpus.train), ("validation", corpus.val)):
+        if len(text) <= args.seq_len:
+            where = args.corpus or corpus.root
+            raise UsageError("--corpus" if args.corpus else "--seq-len",
+                             f"the {side} text of {where} has {len(text)} bytes, not more than --seq-len "
+                             f"{args.seq_len}")
+    args.corpus_data = corpus
+
+
+def describe(args: argparse.Namespace, corpus: Corpus, config: LlamaConfig) -> str:
+    """The two header lines: what the corpus is, and what is trained on it."""
+    layers = f"{args.layers} layer{'s' if args.layers > 1 else ''}"
+    return (f"corpus: {len(corpus.train_files) + len(corpus.val_files)} *.py files under {corpus.root} "
+            f"(Python {sysconfig.get_python_version()}), {len(corpus.train) / 1e6:.2f} MB training, "
+            f"{len(corpus.val) / 1e6:.2f} MB validation (every {VAL_EVERY}th file)\n"
+            f"model: d={args.dim}, {layers}, {param_count(config) / 1e6:.2f} M parameters; {args.steps} steps of "
+            f"{args.batch_size}x{args.seq_len} bytes, weight decay {args.weight_decay}, {args.threads} thread(s); "
+            f"untrained loss ~ log({VOCAB_SIZE}) = {math.log(VOCAB_SIZE):.2f} nats per byte")
+
+
+def sweep(args: argparse.Namespace, corpus: Corpus, config: LlamaConfig) -> list[Run]:
+    """Every optimizer of ``args.optimizers`` at every lr of its sweep, one after the other; one line
+    per run on stderr (on a terminal, rewritten at each evaluation while the run goes on)."""
+    val = val_batches(corpus.val, args.val_batches, args.batch_size, args.seq_len)
+    todo = [(name, lr) for name in args.optimizers for lr in getattr(args, f"{name.replace('-', '_')}_lrs")]
+    carriage_return = "\r" if sys.stderr.isatty() else ""
+    runs = []
+    for i, (name, lr) in enumerate(todo, start=1):
+        label = f"[{i}/{len(todo)}] {name} lr {lr:g}"
+
+        def progress(step: int, loss: float) -> None:
+            sys.stderr.write(f"\r{label}: step {step}/{args.steps}, val loss {loss:.4f}")
+            sys.stderr.flush()
+
+        result = train_run(name, CONFIGS[name], lr, config=config, corpus=corpus, val=val, steps=args.steps,
+                           eval_every=args.eval_every, batch_size=args.batch_size, weight_decay=args.weight_decay,
+                           seed=args.seed, progress=progress if carriage_return else None)
+        runs.append(result)
+        print(f"{carriage_return}{label}: final val loss {_fmt_loss(result.final_val_loss)} "
+              f"after {result.steps} steps ({result.curve[-1][1]:.0f} s training)", file=sys.stderr, flush=True)
+    return runs
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train every optimizer at every lr of its sweep, then print the tables and the summary."""
+    torch.set_num_threads(args.threads)
+    corpus: Corpus = args.corpus_data
+    config = model_config(args.dim, args.layers, args.seq_len)
+    print(describe(args, corpus, config), flush=True)
+    runs = sweep(args, corpus, config)
+    print(format_runs(runs, args.target_loss))
+    print()
+    print(format_summary(runs, args.target_loss))
+    print()
+    print(summary_sentence(runs, args.target_loss))
+    if args.json:
+        settings = {k: getattr(args, k) for k in ("steps", "eval_every", "val_batches", "dim", "layers",
+                                                  "batch_size", "seq_len", "weight_decay", "threads", "seed")}
+        with open(args.json, "w") as f:
+            json.dump(json_record(runs, args.target_loss, settings, corpus), f, indent=1)
+            f.write("\n")
+    if args.plot:
+        title = (f"dmuon quality: Python {sysconfig.get_python_version()} stdlib bytes, d={args.dim}, "
+                 f"{args.layers} layers, {args.steps} steps of {args.batch_size}x{args.seq_len}")
+        plot(runs, args.target_loss, title, args.plot)
+    return 0
