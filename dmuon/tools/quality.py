@@ -305,8 +305,12 @@ def summary_sentence(runs: Sequence[Run], target: float) -> str:
     in_seconds = ("it was also first in seconds" if fastest == first
                   else f"in training seconds {fastest} was first ({hits[fastest][1]:.0f} s)")
     step, seconds = hits[first]
-    return (f"{first} reached validation loss {target:g} first, at its best lr {best[first].lr:g}: step {step} "
-            f"({seconds:.0f} s), vs {', '.join(others) or 'no other optimizer'}; {in_seconds}.")
+    tied = [name for name, hit in hits.items() if name != first and hit and hit[0] == step]
+    lead = (f"{first} reached validation loss {target:g} first" if not tied else
+            f"{first} and {', '.join(tied)} reached validation loss {target:g} at the same evaluation, {first} "
+            "first in seconds")
+    return (f"{lead}, at its best lr {best[first].lr:g}: step {step} ({seconds:.0f} s), vs "
+            f"{', '.join(others) or 'no other optimizer'}" + ("." if tied else f"; {in_seconds}."))
 
 
 def json_record(runs: Sequence[Run], target: float, settings: dict, corpus: Corpus) -> dict:

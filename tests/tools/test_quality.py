@@ -109,6 +109,11 @@ def test_best_lr_winner_and_summary_sentence():
     assert quality.winner(best, 1.0) is None
     assert quality.summary_sentence(runs, 1.0).startswith("No optimizer reached validation loss 1 ")
     assert "diverged" in quality.format_runs(runs, 2.0) and "not reached" in quality.format_summary(runs, 1.0)
+    # the same evaluation reaches the target: a tie in steps, broken by seconds, and said so
+    tied = [*runs, _run("torch-muon", 1e-2, ((0, 0.0, 5.5), (25, 2.0, 1.95), (50, 4.0, 1.9)))]
+    assert quality.winner(quality.best_runs(tied), 2.0) == "torch-muon"
+    assert quality.summary_sentence(tied, 2.0).startswith(
+        "torch-muon and dmuon reached validation loss 2 at the same evaluation, torch-muon first in seconds")
 
 
 def test_lr_factor_warms_up_and_decays_to_near_zero():
