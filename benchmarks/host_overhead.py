@@ -72,6 +72,10 @@ def optimizers(model: nn.Module) -> dict[str, Callable[[], torch.optim.Optimizer
                                     torch.optim.AdamW(rest, lr=1e-3, foreach=True)),
         "dmuon": lambda: dmuon.Muon([{"params": matrices, "algorithm": "muon"},
                                      {"params": rest, "algorithm": "adamw"}], lr=1e-3),
+        # fp32 Newton–Schulz: on a CPU without native bf16 products (AVX2 only) bf16 is emulated,
+        # 10-18x slower than fp32, and would bury the host time this benchmark is about
+        "dmuon-fp32": lambda: dmuon.Muon([{"params": matrices, "algorithm": "muon"},
+                                          {"params": rest, "algorithm": "adamw"}], lr=1e-3, ns_dtype=torch.float32),
     }
 
 
@@ -100,7 +104,7 @@ def measure(blocks: int, steps: int, parallel: str, world: int) -> dict[str, dic
     setups = {}
     # torch.optim.Muon on FSDP2's many small DTensors crashed a gloo rank here (glibc heap
     # corruption inside its step), so under FSDP2 dmuon is compared with AdamW alone.
-    names = ("adamw", "dmuon") if parallel == "fsdp2" else ("adamw", "torch-muon", "dmuon")
+    names = ("adamw", "dmuon", "dmuon-fp32") if parallel == "fsdp2" else ("adamw", "torch-muon", "dmuon", "dmuon-fp32")
     for name in names:
         model = make_model(blocks)
         if parallel == "fsdp2":
@@ -112,7 +116,7 @@ def measure(blocks: int, steps: int, parallel: str, world: int) -> dict[str, dic
         set_grads(model)
         setups[name] = optimizers(model)[name]()
     times: dict[str, list[float]] = {name: [] for name in setups}
-    host: list[float] = []
+    host: dict[str, list[float]] = {name: [] for name in setups if name.startswith("dmuon")}
     names = list(setups)
     for round_ in range(steps + 3):  # 3 warm-up rounds
         order = names[round_ % len(names):] + names[: round_ % len(names)]
@@ -122,17 +126,18 @@ def measure(blocks: int, steps: int, parallel: str, world: int) -> dict[str, dic
             start = time.perf_counter()
             setups[name].step()
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            stats = setups[name].last_step_stats if name == "dmuon" else None
+            stats = setups[name].last_step_stats if name in host else None
             outside_ns = torch.tensor([elapsed.item() - stats.ns_seconds if stats else 0.0], dtype=torch.float64)
             if world > 1:  # the slowest rank's
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 dist.all_reduce(outside_ns, op=dist.ReduceOp.MAX)
             if round_ >= 3 and repeat > 0:  # a turn's first step pays for the previous one's cache misses
                 times[name].append(elapsed.item())
-                if name == "dmuon":
-                    host.append(outside_ns.item())
+                if name in host:
+                    host[name].append(outside_ns.item())
     out = {name: {"step_s": statistics.median(t)} for name, t in times.items()}
-    out["dmuon"]["outside_ns_s"] = statistics.median(host)
+    for name, values in host.items():
+        out[name]["outside_ns_s"] = statistics.median(values)
     return out
 
 
