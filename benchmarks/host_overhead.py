@@ -66,16 +66,19 @@ def make_model(blocks: int) -> nn.Module:
 def optimizers(model: nn.Module) -> dict[str, Callable[[], torch.optim.Optimizer]]:
     matrices = [p for p in model.parameters() if p.ndim == 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
+
+    def dmuon_muon(**options) -> dmuon.Muon:
+        return dmuon.Muon([{"params": matrices, "algorithm": "muon"}, {"params": rest, "algorithm": "adamw"}],
+                          lr=1e-3, **options)
+
     return {
         "adamw": lambda: torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True),
         "torch-muon": lambda: _Pair(torch.optim.Muon(matrices, lr=1e-3),
                                     torch.optim.AdamW(rest, lr=1e-3, foreach=True)),
-        "dmuon": lambda: dmuon.Muon([{"params": matrices, "algorithm": "muon"},
-                                     {"params": rest, "algorithm": "adamw"}], lr=1e-3),
+        "dmuon": dmuon_muon,
         # fp32 Newton–Schulz: on a CPU without native bf16 products (AVX2 only) bf16 is emulated,
         # 10-18x slower than fp32, and would bury the host time this benchmark is about
-        "dmuon-fp32": lambda: dmuon.Muon([{"params": matrices, "algorithm": "muon"},
-                                          {"params": rest, "algorithm": "adamw"}], lr=1e-3, ns_dtype=torch.float32),
+        "dmuon-fp32": lambda: dmuon_muon(ns_dtype=torch.float32),
     }
 
 

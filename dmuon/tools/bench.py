@@ -266,14 +266,18 @@ class _Trainer:
     def sync(self) -> None:
         _sync(self.device)
 
+    def _last_step_stats(self):
+        """dmuon.Muon's statistics of its last step; None for other optimizers."""
+        return getattr(self.optimizers[0], "last_step_stats", None)
+
     def bytes_sent(self) -> float | None:
-        stats = getattr(self.optimizers[0], "last_step_stats", None)
+        stats = self._last_step_stats()
         return None if stats is None else stats.bytes_sent + (self.sharding.last_step_bytes if self.sharding else 0)
 
     def ns_alone_s(self) -> float | None:
         """dmuon.Muon's Newton–Schulz calls of the last step on this rank, timed alone (None for
         other optimizers)."""
-        stats = getattr(self.optimizers[0], "last_step_stats", None)
+        stats = self._last_step_stats()
         return None if stats is None else time_ns_calls(stats.ns_calls, self.device)
 
     def release(self) -> None:
@@ -290,7 +294,7 @@ def time_ns_calls(calls: list, device: torch.device) -> float:
     start = clock()
     for x, (_, _, config, column_blocks) in zip(inputs, calls):
         if column_blocks:
-            orthogonalize_column_blocks(x, config, lambda partial: partial)
+            orthogonalize_column_blocks(x, config, lambda local_sum: local_sum)  # one rank: the sum is its own
         else:
             orthogonalize(x, config)
     _sync(device)
@@ -323,8 +327,8 @@ def run_rounds(trainers: dict, *, warmup: int, steps: int, steps_per_round: int,
                mean_loss=float, bytes_hook=None) -> list[StepRecord]:
     """Step every configuration of ``trainers`` round-robin: warm-up steps one configuration after
     another, then rounds in which each configuration does ``steps_per_round`` steps, the order
-    rotated by round, so a change of load lands on every configuration alike. After each step,
-    the trainer times that step's Newton–Schulz calls alone (``ns_alone_s``). Times come from
+    rotated by round, so a change of load lands on every configuration alike. After each measured
+    step, the trainer times that step's Newton–Schulz calls alone (``ns_alone_s``). Times come from
     :data:`clock`; ``mean_loss`` turns a rank's loss into the figure printed (all ranks' mean)."""
     configs, done, records = list(trainers), {name: 0 for name in trainers}, []
     total = warmup + steps
@@ -343,7 +347,7 @@ def run_rounds(trainers: dict, *, warmup: int, steps: int, steps_per_round: int,
                 trainer.optimizer_step()
                 trainer.sync()
                 end = clock()
-                ns_s = trainer.ns_alone_s()
+                ns_s = trainer.ns_alone_s() if round_index >= 0 else None  # warm-up figures are not kept
                 if bytes_hook is not None:
                     bytes_hook(name, trainer)
                 trainer.release()
