@@ -32,6 +32,7 @@ parameter.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -107,6 +108,14 @@ def mark_owned(param: Tensor, owned: OwnedParam) -> None:
 def owned_by(param: Tensor) -> OwnedParam | None:
     """The ownership of an owner-sharded parameter, or None for any other storage."""
     return getattr(param, _OWNED_ATTR, None)
+
+
+def owner_shardings(params: Sequence[Tensor]) -> tuple[list[bool], list[OwnerShardingHandle]]:
+    """Whether this rank steps each of ``params`` (always, unless it is owner-sharded to another
+    rank), and the owner shardings they belong to, once each."""
+    owned = [owned_by(p) for p in params]
+    shardings = {id(o.sharding): o.sharding for o in owned if o is not None}
+    return [o is None or o.is_mine for o in owned], list(shardings.values())
 
 
 def counted_here(param: Tensor) -> bool:

@@ -14,17 +14,16 @@ from torch import Tensor, nn
 
 from dmuon import param_groups
 from dmuon.agreement import agree_on_gradients, agreed_call, digest_words
-from dmuon.cuda_graphs import GraphedOrthogonalize
-from dmuon.elementwise import adamw_step, compile_kernels, update_momentum_of
-from dmuon.engine import Orthogonalizer, StepStats
+from dmuon.elementwise import adamw_step, update_momentum_of
+from dmuon.engine import StepStats
 from dmuon.exchange import collective_device, job_group
 from dmuon.hyperparameters import EngineOptions, validate_defaults
-from dmuon.layout import owned_by
-from dmuon.orthogonalization import NORMALIZATION_EPS, orthogonalize
+from dmuon.layout import owner_shardings
+from dmuon.orthogonalization import NORMALIZATION_EPS
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
 from dmuon.routing import Route, module_roles
 from dmuon.statistics import step_statistics
-from dmuon.step_plan import MuonEntry, StepPlan, StepPlanner, StepValues, plan_key, steps_here
+from dmuon.step_plan import StepPlan, StepValues, build_engine, steps_here
 
 
 class Muon(torch.optim.Optimizer):
@@ -47,15 +46,13 @@ class Muon(torch.optim.Optimizer):
     momentum, one ``torch._foreach_lerp_`` per group → run the step plan (:mod:`dmuon.step_plan`,
     built once: who orthogonalizes what, in which buckets, through which strategy) → AdamW.
 
-    **Param groups** (:mod:`dmuon.param_groups`). ``params`` is an ``nn.Module`` (routing then sees
-    module types and names), ``named_parameters()``, an iterable of tensors, or dicts; every
-    dict stays one group, each parameter in it routed to Muon or AdamW (``"algorithm"`` sends
-    all of them to one). AdamW's parameters take ``adamw_lr``/``adamw_weight_decay`` when given,
-    else the group's ``lr``/``weight_decay``.
+    **Param groups** (:mod:`dmuon.param_groups`). ``params``: an ``nn.Module`` (routing sees module
+    types and names), ``named_parameters()``, tensors, or dicts, each dict one group whose
+    parameters are routed one by one (``"algorithm"`` sends all to one). AdamW's parameters take
+    ``adamw_lr``/``adamw_weight_decay`` when given, else the group's ``lr``/``weight_decay``.
 
-    **Under torch.distributed** construction, ``add_param_group``, ``load_state_dict`` and
-    ``step`` are collective, and each starts by checking that the ranks agree
-    (:mod:`dmuon.agreement`).
+    **Under torch.distributed** construction, ``add_param_group``, ``load_state_dict`` and ``step``
+    are collective; each starts by checking that the ranks agree (:mod:`dmuon.agreement`).
 
     **Non-finite gradients** (``nonfinite_grads``): "skip" (default) leaves every parameter and
     state untouched for that step, warns and counts it in ``skipped_steps``; "raise" raises
@@ -117,14 +114,13 @@ class Muon(torch.optim.Optimizer):
         if symmetric_products == "auto":  # a collective: after the ranks agree on the options
             from dmuon.timing import choose_symmetric_products  # imported only when measuring
 
-            self._symmetric_by_shape.update(choose_symmetric_products(self._muon_params(), self._collective_device(),
-                                                                      self._agreement_group()))
+            self._symmetric_by_shape.update(choose_symmetric_products(
+                param_groups.muon_entries(self.param_groups), self._collective_device(), self._agreement_group()))
 
     def _build(self, params: nn.Module | Iterable[Any], defaults: dict[str, Any], options: EngineOptions) -> None:
         """Everything the constructor does before the ranks compare notes (purely local)."""
         validate_defaults(defaults, options)
-        if isinstance(params, (set, Tensor)):
-            raise TypeError(f"params must be a module, or an ordered iterable of tensors or dicts, not a {type(params).__name__}.")
+        param_groups.check_params_type(params)
         self._module_roles: dict[int, str] = {}
         self._model: Callable[[], nn.Module | None] = lambda: None
         if isinstance(params, nn.Module):
@@ -146,14 +142,8 @@ class Muon(torch.optim.Optimizer):
     def _make_engine(self) -> None:
         """The compiled kernels, the engine and its planner, from the options (again after a
         deep copy or unpickling)."""
-        options = self._options
-        self._kernels = compile_kernels("inductor" if options.compile is True else options.compile) \
-            if options.compile else None
-        ns = self._kernels.orthogonalize if self._kernels else orthogonalize
-        self._engine = Orthogonalizer(options.bucket_bytes, options.comm_dtype,
-                                      orthogonalize_fn=GraphedOrthogonalize(ns) if options.cuda_graphs else ns)
-        self._planner = StepPlanner(self._engine, self._process_group, options.replica_split, options.distributed_ns,
-                                    options.symmetric_products, self._symmetric_by_shape)
+        self._kernels, self._engine, self._planner = build_engine(self._options, self._process_group,
+                                                                  self._symmetric_by_shape)
         self._plan: StepPlan | None = None
 
     # ------------------------------------------------------------------ groups
@@ -172,16 +162,15 @@ class Muon(torch.optim.Optimizer):
             self._add_stored(build())
             return
         before = len(self.param_groups)
-        # as many elements as step's agreement: a rank alone in here cannot hang the others
-        flags = torch.zeros(1 + len(self._muon_params()))
 
         def add() -> list[tuple[str, str]]:
             self._add_stored(build())
             return self._fingerprint(self.param_groups)
 
         try:
+            # as many elements as step's agreement: a rank alone in here cannot hang the others
             fingerprint = agreed_call("add_param_group", add, self._agreement_group(), self._collective_device,
-                                      payload=flags)
+                                      payload=torch.zeros(1 + len(param_groups.muon_entries(self.param_groups))))
         except BaseException:
             del self.param_groups[before:]
             raise
@@ -198,8 +187,7 @@ class Muon(torch.optim.Optimizer):
             self.defaults = defaults
 
     def routes(self) -> dict[str, Route]:
-        """Each parameter's route (algorithm, matrix view, reason), by name; an unnamed one is
-        ``"group{g}.param{i}"``."""
+        """Each parameter's route (algorithm, matrix view, reason), by name ("group{g}.param{i}" if unnamed)."""
         return param_groups.routes(self.param_groups)
 
     def routing_summary(self) -> str:
@@ -211,9 +199,6 @@ class Muon(torch.optim.Optimizer):
         return (f"{type(self).__name__}(muon: {counts['muon']} params, adamw: {counts['adamw']} params, "
                 f"groups: {len(self.param_groups)})\n{self.routing_summary()}")
 
-    def _muon_params(self) -> list[MuonEntry]:
-        return param_groups.muon_entries(self.param_groups)
-
     def _group_label(self, group: dict[str, Any]) -> str:
         return param_groups.label_of(self.param_groups, group)
 
@@ -222,17 +207,11 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the plan
 
-    def _step_plan(self, entries: list[MuonEntry]) -> StepPlan:
-        """The plan for stepping ``entries``: the one kept, unless what it depends on changed."""
-        key = plan_key(entries)
-        if self._plan is None or self._plan.key != key:
-            self._plan = self._planner.build(key, entries, self._group_label, self._collective_device())
-        return self._plan
-
     @property
     def plans(self) -> list[Plan]:
         """The plan of each exchange group (usually one): owners, buckets, bytes; see Plan.table()."""
-        return self._engine.plans_for(self._planner.works([e for e in self._muon_params() if steps_here(e[1])]))
+        here = [e for e in param_groups.muon_entries(self.param_groups) if steps_here(e[1])]
+        return self._engine.plans_for(self._planner.works(here))
 
     @property
     def plan(self) -> Plan:
@@ -275,12 +254,10 @@ class Muon(torch.optim.Optimizer):
         compare the configuration the state would give them."""
         def check() -> list[tuple[str, str]]:
             param_groups.check_loadable(state_dict, self.param_groups)
-            return self._fingerprint([{**saved, "params": mine["params"],
-                                       **({"param_names": mine["param_names"]} if "param_names" in mine else {})}
-                                      for saved, mine in zip(state_dict["param_groups"], self.param_groups)])
+            return self._fingerprint(param_groups.loaded_groups(state_dict, self.param_groups))
 
         fingerprint = agreed_call("load_state_dict", check, self._agreement_group(), self._collective_device,
-                                  payload=torch.zeros(1 + len(self._muon_params())))
+                                  payload=torch.zeros(1 + len(param_groups.muon_entries(self.param_groups))))
         super().load_state_dict(state_dict)
         self._fingerprint_words = digest_words(fingerprint)
         self._plan = None
@@ -314,16 +291,17 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         self._engine.start_step()
         self._update_squares = {}
-        muon = self._muon_params()
-        owned = [owned_by(p) for _, p, _, _ in muon]
-        here = [o is None or o.is_mine for o in owned]  # whether this rank steps it (owner sharding)
-        shardings = {id(o.sharding): o.sharding for o in owned if o is not None}
-        for sharding in shardings.values():
+        muon = param_groups.muon_entries(self.param_groups)
+        here, shardings = owner_shardings([p for _, p, _, _ in muon])  # here: this rank steps it
+        for sharding in shardings:
             sharding.wait_for_gradients()
-        stepped = self._agree_on_gradients(muon, here)
+        stepped = agree_on_gradients(self.param_groups, muon, here, self.defaults["nonfinite_grads"],
+                                     self._agreement_group(), self._collective_device(), self._fingerprint_words,
+                                     self._engine.counter, lambda: param_groups.all_names(self.param_groups))
         if stepped is None:
+            self.skipped_steps += 1
             return loss
-        for sharding in shardings.values():
+        for sharding in shardings:
             sharding.weights_changed()
         for (_, p, _, _), mine in zip(muon, here):
             if not mine:
@@ -335,20 +313,10 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             adamw_step(group, self.state)
         if entries:
-            plan = self._step_plan(entries)
+            # the plan kept, unless what it depends on changed
+            plan = self._plan = self._planner.plan_for(self._plan, entries, self._group_label, self._collective_device())
             self._engine.run(plan.prepared, StepValues(plan, self.state, self._kernels, self._update_squares))
         return loss
-
-    def _agree_on_gradients(self, muon: list[MuonEntry], here: list[bool]) -> list[bool] | None:
-        """Which Muon parameters to step, or None to skip the whole step (:func:`agree_on_gradients`)."""
-        stepped = agree_on_gradients(self.param_groups, muon, here, self.defaults["nonfinite_grads"],
-                                     self._agreement_group(), self._collective_device(), self._fingerprint_words,
-                                     self._engine.counter, self._names)
-        self.skipped_steps += stepped is None
-        return stepped
-
-    def _names(self) -> list[str]:
-        return param_groups.all_names(self.param_groups)
 
     def _collective_device(self) -> torch.device:
         return collective_device(getattr(self, "param_groups", ()), self._agreement_group())

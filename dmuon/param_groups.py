@@ -28,6 +28,12 @@ from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, Route, block_rows, default_r
 Entry = tuple[str | None, Tensor]
 
 
+def check_params_type(params: Any) -> None:
+    """An optimizer's ``params`` must come in a stable order: a set or a lone tensor cannot."""
+    if isinstance(params, (set, Tensor)):
+        raise TypeError(f"params must be a module, or an ordered iterable of tensors or dicts, not a {type(params).__name__}.")
+
+
 def build_group(param_group: dict[str, Any], defaults: dict[str, Any], index: int, roles: dict[int, str],
                 names_from: Callable[[list[Entry], str], list[Entry]] | None) -> dict[str, Any]:
     """The stored form of the user's ``param_group`` (the ``index``-th group), validated.
@@ -259,3 +265,9 @@ def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]])
                 if name != "step" and tuple(value.shape) != tuple(p.shape):
                     raise ValueError(f"The state of parameter {names[i]!r} has {name} of shape "
                                      f"{tuple(value.shape)}; the parameter's shape is {tuple(p.shape)}.")
+
+
+def loaded_groups(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The groups ``state_dict`` would give: its saved options with the current parameters (and names)."""
+    return [{**saved, "params": mine["params"], **({"param_names": mine["param_names"]} if "param_names" in mine else {})}
+            for saved, mine in zip(state_dict["param_groups"], groups)]

@@ -24,12 +24,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from dmuon.elementwise import CompiledKernels, apply_updates_all, local, nesterov_inputs_all, scalar
+from dmuon.cuda_graphs import GraphedOrthogonalize
+from dmuon.elementwise import CompiledKernels, apply_updates_all, compile_kernels, local, nesterov_inputs_all, scalar
 from dmuon.engine import Block, MatrixWork, Orthogonalizer, PreparedStep, unit_of
 from dmuon.exchange import gather_whole
-from dmuon.hyperparameters import adjusted_lr_ratio, ns_config
+from dmuon.hyperparameters import EngineOptions, adjusted_lr_ratio, ns_config
 from dmuon.layout import detect_layout, owned_by, piece_of
-from dmuon.orthogonalization import gram_all_reduces, newton_schulz_flops
+from dmuon.orthogonalization import gram_all_reduces, newton_schulz_flops, orthogonalize
 from dmuon.planner import choose_distributed, choose_gangs, distributed_cost, gang_costs, split_replicas_is_cheaper
 from dmuon.routing import block_rows, matrix_shape
 
@@ -93,6 +94,19 @@ def gang_eligible(work: MatrixWork) -> bool:
             and not work.blocks and work.count == 1 and len(work.layout.shape) == 2)
 
 
+def build_engine(options: EngineOptions, process_group: dist.ProcessGroup | None,
+                 measured: dict[tuple[int, int], str]) -> tuple[CompiledKernels | None, Orthogonalizer, StepPlanner]:
+    """An optimizer's compiled kernels (None unless ``options.compile``), engine and planner;
+    ``measured``: with ``symmetric_products="auto"``, the faster kernel per shape."""
+    kernels = compile_kernels("inductor" if options.compile is True else options.compile) if options.compile else None
+    ns = kernels.orthogonalize if kernels else orthogonalize
+    engine = Orthogonalizer(options.bucket_bytes, options.comm_dtype,
+                            orthogonalize_fn=GraphedOrthogonalize(ns) if options.cuda_graphs else ns)
+    planner = StepPlanner(engine, process_group, options.replica_split, options.distributed_ns,
+                          options.symmetric_products, measured)
+    return kernels, engine, planner
+
+
 class StepPlanner:
     """Builds step plans for one optimizer (its options and engine)."""
 
@@ -111,6 +125,12 @@ class StepPlanner:
         if self.symmetric_products != "auto":
             return self.symmetric_products
         return self.measured.get(tuple(shape), "torch")
+
+    def plan_for(self, kept: StepPlan | None, entries: Sequence[MuonEntry], labels: Callable[[dict], str],
+                 device: torch.device) -> StepPlan:
+        """The plan for stepping ``entries``: ``kept``, unless what it depends on (:func:`plan_key`) changed."""
+        key = plan_key(entries)
+        return kept if kept is not None and kept.key == key else self.build(key, entries, labels, device)
 
     def build(self, key: tuple, entries: Sequence[MuonEntry], labels: Callable[[dict], str],
               device: torch.device) -> StepPlan:
