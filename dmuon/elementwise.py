@@ -140,6 +140,12 @@ def update_momentum_of(entries: Sequence[tuple], state: dict, kernels: CompiledK
             update_momentum_all(bufs, grads, group["momentum"])
 
 
+def adamw_steps(groups: Sequence[dict], state: dict) -> None:
+    """:func:`adamw_step` of every group."""
+    for group in groups:
+        adamw_step(group, state)
+
+
 def adamw_step(group: dict, state: dict) -> None:
     """torch's AdamW on a group's AdamW parameters that have gradients, with the group's AdamW
     hyperparameters (:func:`dmuon.hyperparameters.adamw_hyperparameters`)."""

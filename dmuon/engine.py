@@ -131,5 +131,6 @@ class Orthogonalizer:
         """Orthogonalize every work of the step plan; the updates go to ``io.apply``."""
         for strategy in step.strategies:
             strategy.run(io, self.context)
+        io.overlap()  # if no strategy had a wait to fill
         self.stats.bytes_sent = self.counter.bytes_sent
         self.stats.collectives = self.counter.collectives

@@ -6,6 +6,7 @@ import copy
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from torch import Tensor, nn
 
 from dmuon import param_groups
 from dmuon.agreement import agree_on_gradients, agreed_call, digest_words
-from dmuon.elementwise import adamw_step, update_momentum_of
+from dmuon.elementwise import adamw_steps, update_momentum_of
 from dmuon.engine import StepStats
 from dmuon.exchange import collective_device, job_group
 from dmuon.hyperparameters import EngineOptions, validate_defaults
@@ -44,7 +45,8 @@ class Muon(torch.optim.Optimizer):
 
     **Shape of a step.** Agree on the gradients (one all-reduce under torch.distributed) →
     momentum, one ``torch._foreach_lerp_`` per group → run the step plan (:mod:`dmuon.step_plan`,
-    built once: who orthogonalizes what, in which buckets, through which strategy) → AdamW.
+    built once: who orthogonalizes what, in which buckets, through which strategy), with AdamW
+    run while the exchange's last bucket is in flight.
 
     **Param groups** (:mod:`dmuon.param_groups`). ``params``: an ``nn.Module`` (routing sees module
     types and names), ``named_parameters()``, tensors, or dicts, each dict one group whose
@@ -310,12 +312,13 @@ class Muon(torch.optim.Optimizer):
                 self.state[p]
         entries = [e for e, keep in zip(muon, stepped) if keep]
         update_momentum_of(entries, self.state, self._kernels)
-        for group in self.param_groups:
-            adamw_step(group, self.state)
-        if entries:
-            # the plan kept, unless what it depends on changed
-            plan = self._plan = self._planner.plan_for(self._plan, entries, self._group_label, self._collective_device())
-            self._engine.run(plan.prepared, StepValues(plan, self.state, self._kernels, self._update_squares))
+        adamw = partial(adamw_steps, self.param_groups, self.state)
+        if not entries:
+            adamw()
+            return loss
+        # the plan kept, unless what it depends on changed; AdamW runs while the exchange waits
+        plan = self._plan = self._planner.plan_for(self._plan, entries, self._group_label, self._collective_device())
+        self._engine.run(plan.prepared, StepValues(plan, self.state, self._kernels, self._update_squares, adamw))
         return loss
 
     def _collective_device(self) -> torch.device:

@@ -271,8 +271,14 @@ class StepValues:
     updates applied to the parameters, with the update statistics accumulated on the device."""
 
     def __init__(self, plan: StepPlan, state: dict, kernels: CompiledKernels | None,
-                 squares: dict[str, list]) -> None:
+                 squares: dict[str, list], independent: Callable[[], None] | None = None) -> None:
         self.plan, self.state, self.kernels, self.squares = plan, state, kernels, squares
+        self.independent = independent  # what overlap() runs once
+
+    def overlap(self) -> None:
+        independent, self.independent = self.independent, None
+        if independent is not None:
+            independent()
 
     def _by_group(self, indices: Sequence[int]) -> list[_Chunk]:
         """``indices`` by (param group, lr factor): one foreach call each. The same requests

@@ -87,6 +87,11 @@ class StepIO(Protocol):
     def apply(self, indices: Sequence[int], updates: Sequence[Tensor]) -> None:
         """Apply this rank's pieces of those works' updates (shaped ``local_shape``)."""
 
+    def overlap(self) -> None:
+        """Run the step's work that needs nothing from the exchange (AdamW), the first time it
+        is called: a strategy calls it where it would otherwise only wait on the network, and
+        the engine after the last strategy."""
+
 
 @dataclass
 class StepStats:
@@ -151,16 +156,20 @@ class Context:
     def wire_dtype(self, work: MatrixWork) -> torch.dtype:
         return self.comm_dtype or work.dtype
 
-    def orthogonalize_whole(self, inputs: dict[int, Tensor], works: Sequence[MatrixWork], batches: Sequence[Batch],
-                            flops: int) -> dict[int, Tensor]:
-        """Orthogonalize whole inputs (work index → (count, m, n)) in ``batches`` (from
-        :func:`batches_of`, worked out once); ``flops``: theirs in total, for the statistics."""
+    def orthogonalize_whole(self, inputs: dict[int, Tensor | list[Tensor]], works: Sequence[MatrixWork],
+                            batches: Sequence[Batch], flops: int) -> dict[int, Tensor]:
+        """Orthogonalize whole inputs in ``batches`` (from :func:`batches_of`, worked out once):
+        work index → its (count, m, n) input, or the flat pieces that laid end to end are that
+        input (an owner's gather: copied once, straight into the batch). ``flops``: theirs in
+        total, for the statistics."""
         self.stats.ns_flops += flops
+        for u, value in inputs.items():
+            if not isinstance(value, Tensor) and len(works[u].pieces) > 1:  # row blocks slice the whole
+                inputs[u] = torch.cat([v.reshape(-1) for v in value]).reshape(works[u].count, works[u].m, works[u].n)
         pieces: dict[tuple[int, int], Tensor] = {}
         for config, rows, members in batches:
             # one contiguous copy, as every call before it: the same memory layout, the same result
-            stacked = torch.cat([inputs[u] if whole else inputs[u][:, start: start + rows]
-                                 for u, _, start, whole in members])
+            stacked = self._stack(inputs, works, rows, members)
             with Timed(self.stats, stacked, config):
                 results = self.orthogonalize(stacked, config).split([works[u].count for u, _, _, _ in members])
             pieces.update(((u, b), r) for (u, b, _, _), r in zip(members, results))
@@ -171,6 +180,27 @@ class Context:
             outputs[u] = pieces[u, 0] if not blocks else \
                 torch.cat([pieces[u, b] * block.scale for b, block in enumerate(blocks)], dim=1)
         return outputs
+
+
+    @staticmethod
+    def _stack(inputs: dict[int, Tensor | list[Tensor]], works: Sequence[MatrixWork], rows: int,
+               members: Sequence[tuple[int, int, int, bool]]) -> Tensor:
+        first = inputs[members[0][0]]
+        like = first if isinstance(first, Tensor) else first[0]
+        count = sum(works[u].count for u, _, _, _ in members)
+        stacked = torch.empty((count, rows, works[members[0][0]].n), dtype=like.dtype, device=like.device)
+        offset = 0
+        for u, _, start, whole in members:
+            slot, value = stacked[offset: offset + works[u].count], inputs[u]
+            offset += works[u].count
+            if isinstance(value, Tensor):
+                slot.copy_(value if whole else value[:, start: start + rows])
+                continue
+            flat = slot.view(-1)
+            for piece in value:
+                flat[: piece.numel()].copy_(piece.reshape(-1))
+                flat = flat[piece.numel():]
+        return stacked
 
 
 # (config, rows, members): one batched Newton–Schulz call over the pieces (work index, block,

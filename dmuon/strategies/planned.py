@@ -7,6 +7,9 @@ bucket by bucket, communication overlapping compute::
     start return(k)
     wait return(k−1); apply its updates
 
+and after starting the last return, while it and the one before are in flight, the step's work
+that needs no exchange (AdamW, ``io.overlap()``).
+
 Who sends what to whom in each bucket is worked out once, when the strategy is built; a step
 only computes the inputs it sends or owns, runs the collectives and applies what arrives.
 
@@ -121,6 +124,8 @@ class PlannedExchange:
                 gathers[k + 1] = self._start_gather(k + 1, io, ctx)
             owned = self._orthogonalize_owned(k, gathers.pop(k), io, ctx)
             returns.append((k, self._start_return(k, owned, ctx), owned))
+            if k + 1 == len(self.buckets):
+                io.overlap()  # nothing left to compute here: the last returns would only be waited for
             if len(returns) > 1:
                 self._finish_return(*returns.pop(0), io)
         for pending in returns:
@@ -171,15 +176,14 @@ class PlannedExchange:
         received = [iter(pieces) for pieces in pending.wait()] if pending is not None else None
         own = io.inputs([self.indices[u] for u, _ in bucket.owned])
         dtype = self._dtype(k, ctx)
-        inputs: dict[int, Tensor] = {}
+        inputs: dict[int, Tensor | list[Tensor]] = {}
         for (u, block), mine in zip(bucket.owned, own):
             work = self.works[u]
             if len(block) == 1:  # the owner holds it whole (one process, DDP)
                 inputs[u] = (mine if mine.dtype == dtype else mine.to(dtype)).reshape(work.count, work.m, work.n)
                 continue
-            # the rows of shard 0, 1, … in order
-            pieces = [mine.reshape(-1).to(dtype) if p == self.me else next(received[p]) for p in block]
-            inputs[u] = torch.cat(pieces).reshape(work.count, work.m, work.n)
+            # the rows of shard 0, 1, … in order (copied once, into the batch)
+            inputs[u] = [mine.to(dtype) if p == self.me else next(received[p]) for p in block]
         return ctx.orthogonalize_whole(inputs, self.works, bucket.batches, bucket.flops)
 
     def _start_return(self, k: int, owned: dict[int, Tensor], ctx: Context) -> PendingExchange | None:
