@@ -86,6 +86,9 @@ from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config
 
 CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon",
            "ownerz2-dmuon", "ownerz3-dmuon")
+# Not run by default: dmuon with bf16 on the wire (comm_dtype=torch.bfloat16), to set beside the
+# exact default in the same run
+BF16_WIRE_CONFIGS = ("ddp-dmuon-bf16wire", "fsdp-dmuon-bf16wire")
 # What each data-parallel mode is compared with (AdamW and vanilla Muon of that mode).
 BASELINE_MODE = {"ddp": "ddp", "fsdp": "fsdp", "ownerz2": "fsdp", "ownerz3": "fsdp"}
 
@@ -242,9 +245,11 @@ class _Trainer:
         self.name, self.args, self.rank, self.world, self.device = name, args, rank, world, device
         config = get_config(args.preset, **({"n_layers": args.layers} if args.layers else {}))
         self.model = Llama(config, seed=args.seed).to(device)
-        self.wrapped, self.sharding = _wrap(self.model, parallel, world, device, mesh)
-        options = {"ns_coefficients": args.ns_coefficients, "comm_dtype": COMM_DTYPES[args.comm_dtype]} \
-            if optimizer == "dmuon" else {}
+        self.wrapped, self.sharding = wrap_model(self.model, parallel, world, device, mesh)
+        bf16_wire = optimizer.endswith("-bf16wire")
+        optimizer = optimizer.removesuffix("-bf16wire")
+        comm_dtype = torch.bfloat16 if bf16_wire else COMM_DTYPES[args.comm_dtype]
+        options = {"ns_coefficients": args.ns_coefficients, "comm_dtype": comm_dtype} if optimizer == "dmuon" else {}
         self.optimizers = _factory(optimizer)(self.model, args.lr, args.weight_decay, **options)
         self.data = SyntheticTokens(config.vocab_size, seed=args.seed)
 
@@ -556,7 +561,7 @@ class PeakMemory:
         return self.peak - self.baseline
 
 
-def _wrap(model: Llama, parallel: str, world: int, device: torch.device,
+def wrap_model(model: Llama, parallel: str, world: int, device: torch.device,
           mesh=None) -> tuple[nn.Module, OwnerSharding | None]:
     """The model under ``parallel``, and its owner sharding if it has one."""
     if parallel == "ddp":
@@ -643,8 +648,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decoupled weight decay (default: %(default)s)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
-    parser.add_argument("--configs", type=name_list(CONFIGS), default=list(CONFIGS),
-                        help=f"comma-separated subset of {','.join(CONFIGS)} (default: all)")
+    parser.add_argument("--configs", type=name_list(CONFIGS + BF16_WIRE_CONFIGS), default=list(CONFIGS),
+                        help=f"comma-separated subset of {','.join(CONFIGS)}, or of those and "
+                             f"{','.join(BF16_WIRE_CONFIGS)} (dmuon with bf16 on the wire beside its exact default) "
+                             f"(default: {','.join(CONFIGS)})"),
     parser.add_argument("--ns-coefficients", choices=NAMED_COEFFICIENTS, default="polar_express",
                         help="dmuon.Muon's Newton–Schulz coefficients; keller is what torch.optim.Muon and four of "
                              "the five peers run (same cost: 5 quintic steps in bf16) (default: %(default)s)")

@@ -49,6 +49,16 @@ def test_tiny_run_writes_json(tmp_path):
     assert not records[0]["trustworthy"] and any("only one round" in w for w in records[0]["warnings"])
 
 
+def test_bf16_wire_configuration_sends_half_the_bytes_of_the_exact_one(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--memory-steps", "0",
+                 "--configs", "fsdp-dmuon,fsdp-dmuon-bf16wire", "--json", str(out)]) == 0
+    exact, bf16 = json.loads(out.read_text())
+    assert bf16["config"] == "fsdp-dmuon-bf16wire"
+    # fp32 parameters: two bytes an element on the wire instead of four, plus the agreement's few bytes
+    assert 0.45 * exact["bytes_per_step"] < bf16["bytes_per_step"] < 0.55 * exact["bytes_per_step"]
+
+
 def test_throughput_tables_run_on_cpu():
     import torch
 
