@@ -185,7 +185,7 @@ def agree_on_gradients(groups: Sequence[dict], muon: Sequence[tuple], here: Sequ
         warnings.warn(f"Muon skipped a step: non-finite gradients in {where}.", stacklevel=4)
         return None
     partial = [name for (name, p, _, _), ok, missing in zip(muon, here, agreed[1:])
-               if missing and p.grad is not None and ok]
+               if missing and p.grad is not None and ok] if any(agreed[1:]) else []
     if partial:
         warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=4)
     return [not missing and ok for ok, missing in zip(here, agreed[1:])]

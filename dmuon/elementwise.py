@@ -121,9 +121,13 @@ def apply_updates_all(params: list[Tensor], updates: list[Tensor], lr: float, we
                         alpha=-lr * scale)
 
 
-def update_momentum_of(entries: Sequence[tuple], state: dict, kernels: CompiledKernels | None) -> None:
+def update_momentum_of(entries: Sequence[tuple], state: dict, kernels: CompiledKernels | None
+                       ) -> dict[int, tuple[Tensor, Tensor]]:
     """``B ← μ·B + (1−μ)·G`` for the Muon parameters of ``entries`` ((name, param, group, view)),
-    creating the buffers on the first step; one call per group."""
+    creating the buffers on the first step; one call per group. Returns this rank's pieces of
+    each parameter's gradient and buffer, by ``id`` of the parameter (the step's Newton–Schulz
+    inputs are made of them)."""
+    pieces: dict[int, tuple[Tensor, Tensor]] = {}
     by_group: dict[int, list] = {}
     for _, p, group, _ in entries:
         if "momentum_buffer" not in state[p]:
@@ -138,6 +142,8 @@ def update_momentum_of(entries: Sequence[tuple], state: dict, kernels: CompiledK
                 kernels.update_momentum(buf, grad, mu)
         else:
             update_momentum_all(bufs, grads, group["momentum"])
+        pieces.update(zip(map(id, params), zip(grads, bufs)))
+    return pieces
 
 
 def adamw_steps(groups: Sequence[dict], state: dict) -> None:

@@ -311,14 +311,14 @@ class Muon(torch.optim.Optimizer):
                 # then names every parameter, as torch.distributed.checkpoint requires to load.
                 self.state[p]
         entries = [e for e, keep in zip(muon, stepped) if keep]
-        update_momentum_of(entries, self.state, self._kernels)
+        pieces = update_momentum_of(entries, self.state, self._kernels)
         adamw = partial(adamw_steps, self.param_groups, self.state)
         if not entries:
             adamw()
             return loss
         # the plan kept, unless what it depends on changed; AdamW runs while the exchange waits
         plan = self._plan = self._planner.plan_for(self._plan, entries, self._group_label, self._collective_device())
-        self._engine.run(plan.prepared, StepValues(plan, self.state, self._kernels, self._update_squares, adamw))
+        self._engine.run(plan.prepared, StepValues(plan, pieces, self._kernels, self._update_squares, adamw))
         return loss
 
     def _collective_device(self) -> torch.device:

@@ -270,9 +270,9 @@ class StepValues:
     Newton–Schulz inputs from the momentum (computed when asked, a group's at a time), and the
     updates applied to the parameters, with the update statistics accumulated on the device."""
 
-    def __init__(self, plan: StepPlan, state: dict, kernels: CompiledKernels | None,
+    def __init__(self, plan: StepPlan, pieces: dict[int, tuple[Tensor, Tensor]], kernels: CompiledKernels | None,
                  squares: dict[str, list], independent: Callable[[], None] | None = None) -> None:
-        self.plan, self.state, self.kernels, self.squares = plan, state, kernels, squares
+        self.plan, self.pieces, self.kernels, self.squares = plan, pieces, kernels, squares  # pieces: (grad, buffer)
         self.independent = independent  # what overlap() runs once
 
     def overlap(self) -> None:
@@ -298,30 +298,31 @@ class StepValues:
         out: list[Tensor | None] = [None] * len(indices)
         for chunk in self._by_group(indices):
             group = chunk.targets[0].group
-            grads = [local(p.grad) for p in chunk.params]
-            bufs = [local(self.state[p]["momentum_buffer"]) for p in chunk.params]
+            grads, bufs = zip(*[self.pieces[id(p)] for p in chunk.params])
             if not group["nesterov"]:
                 values = bufs
             elif self.kernels is not None:
                 mu = scalar(group["momentum"], bufs[0].device)
                 values = [self.kernels.nesterov_input(g, b, mu) for g, b in zip(grads, bufs)]
             else:
-                values = nesterov_inputs_all(grads, bufs, group["momentum"])
+                values = nesterov_inputs_all(list(grads), list(bufs), group["momentum"])
             for k, transposed, value in zip(chunk.positions, chunk.transposed, values):
                 out[k] = value.mT if transposed else value
         return out  # type: ignore[return-value]
 
-    def apply(self, indices: Sequence[int], updates: Sequence[Tensor]) -> None:
+    def apply(self, indices: Sequence[int], updates: Sequence[Tensor], norms: Tensor | None = None) -> None:
         for chunk in self._by_group(indices):
             first = chunk.targets[0]
             group, ratio = first.group, first.scale
             params = [local(p) for p in chunk.params]
             mine = [updates[k].mT if transposed else updates[k] for k, transposed in zip(chunk.positions, chunk.transposed)]
-            # in fp32 at least, as the statistics always are (a norm cannot narrow fp64)
-            wide = any(u.dtype == torch.float64 for u in mine)
-            norms = torch._foreach_norm(mine, 2, dtype=None if wide else torch.float32)
+            if norms is not None:
+                own = norms[list(chunk.positions)]
+            else:  # in fp32 at least, as the statistics always are (a norm cannot narrow fp64)
+                wide = any(u.dtype == torch.float64 for u in mine)
+                own = torch.stack(torch._foreach_norm(mine, 2, dtype=None if wide else torch.float32))
             squares = self.squares.setdefault(first.label, [torch.zeros((), device=params[0].device), 0])
-            squares[0] += torch.stack(norms).float().square().sum() * ratio**2  # a device tensor: no sync
+            squares[0] += own.float().square().sum() * ratio**2  # a device tensor: no sync
             squares[1] += chunk.numel
             if self.kernels is not None:
                 lr, wd = scalar(group["lr"], params[0].device), scalar(group["weight_decay"], params[0].device)

@@ -84,8 +84,9 @@ class StepIO(Protocol):
     def inputs(self, indices: Sequence[int]) -> list[Tensor]:
         """This rank's Newton–Schulz inputs of those works (shaped ``local_shape``), computed now."""
 
-    def apply(self, indices: Sequence[int], updates: Sequence[Tensor]) -> None:
-        """Apply this rank's pieces of those works' updates (shaped ``local_shape``)."""
+    def apply(self, indices: Sequence[int], updates: Sequence[Tensor], norms: Tensor | None = None) -> None:
+        """Apply this rank's pieces of those works' updates (shaped ``local_shape``); ``norms``:
+        their 2-norms (in fp32 at least), where the caller has them from a batch already."""
 
     def overlap(self) -> None:
         """Run the step's work that needs nothing from the exchange (AdamW), the first time it
@@ -206,6 +207,12 @@ class Context:
 # (config, rows, members): one batched Newton–Schulz call over the pieces (work index, block,
 # first row, whether it is the whole matrix) of the same shape and configuration
 Batch = tuple[NSConfig, int, tuple[tuple[int, int, int, bool], ...]]
+
+
+def update_norms(batch: Tensor) -> Tensor:
+    """The 2-norm of each matrix of a batch of updates, in fp32 at least (the statistics' dtype),
+    in one call."""
+    return torch.linalg.vector_norm(batch, dim=(-2, -1), dtype=None if batch.dtype == torch.float64 else torch.float32)
 
 
 def batches_of(indices: Sequence[int], works: Sequence[MatrixWork]) -> list[Batch]:

@@ -31,7 +31,7 @@ from torch import Tensor
 from dmuon.exchange import PendingExchange, Shape, start_all_to_all
 from dmuon.layout import Layout
 from dmuon.planner import Plan
-from dmuon.strategies.base import Batch, Context, MatrixWork, StepIO, Timed, batches_of
+from dmuon.strategies.base import Batch, Context, MatrixWork, StepIO, Timed, batches_of, update_norms
 
 
 def rows_of(full: Tensor, layout: Layout, shard: int) -> Tensor:
@@ -52,8 +52,10 @@ class _Bucket:
     batches: tuple[Batch, ...]  # how the owned units are stacked for Newton–Schulz
     flops: int  # of the owned units
     indices: tuple[int, ...]  # of the bucket's units in the step plan's works
-    # one process, plain matrices only: per batch, the positions in the bucket it stacks
+    # one process, plain matrices only: per batch, the positions in the bucket it stacks, and
+    # where each position's result is in the batches laid end to end
     stacks: tuple[tuple[int, ...], ...] | None
+    stack_order: Tensor | None
     returns: bool
     return_sends: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # owned unit, ((target, shard), ...)
     return_shapes: tuple[tuple[Shape, ...], ...]  # by source: the rows this rank gets back
@@ -67,7 +69,7 @@ class PlannedExchange:
         self.works = list(works)
         self.plan = plan
         self.group = works[0].group
-        self.device = device  # of an empty send buffer (NCCL takes only device tensors)
+        self.device = device  # of an empty send buffer (NCCL takes only device tensors), and of index tensors
         self.me = works[0].layout.group_ranks.index(dist.get_rank()) if self.group is not None else 0
         self.buckets = [self._bucket(k) for k in range(len(plan.buckets))]
 
@@ -90,6 +92,8 @@ class PlannedExchange:
         shards = {u: plan.units[u].layout.shards for u in units}
         owned = [u for u in units if plan.owners[u] == me]
         batches = batches_of(owned, self.works)
+        stacks = self._stacks(units, batches) if self.group is None else None
+        laid_out = [j for positions in stacks for j in positions] if stacks else []
         return _Bucket(
             units=tuple(units),
             gathers=any(plan.gather_sources(u) for u in units),
@@ -99,7 +103,9 @@ class PlannedExchange:
             batches=tuple(batches),
             flops=sum(plan.units[u].flops for u in owned),
             indices=tuple(self.indices[u] for u in units),
-            stacks=self._stacks(units, batches) if self.group is None else None,
+            stacks=stacks,
+            stack_order=torch.tensor(sorted(range(len(laid_out)), key=laid_out.__getitem__), device=self.device)
+            if stacks else None,
             returns=any(plan.return_targets(u) for u in units),
             return_sends=tuple((u, tuple((p, p % shards[u]) for p in plan.return_targets(u)))
                                for u in units if plan.owners[u] == me),
@@ -146,14 +152,17 @@ class PlannedExchange:
                 continue
             ctx.stats.ns_flops += bucket.flops
             updates: list[Tensor | None] = [None] * len(values)
+            norms = []  # of the updates, a batch at a time (one call each, not one per matrix)
             for (config, _, _), positions in zip(bucket.batches, bucket.stacks):
                 stacked = torch.stack([values[j] for j in positions])
                 with Timed(ctx.stats, stacked, config):
                     results = ctx.orthogonalize(stacked, config)
                 ctx.stats.matrices_orthogonalized += stacked.shape[0]
+                norms.append(update_norms(results))
                 for j, result in zip(positions, results.unbind(0)):
                     updates[j] = result
-            io.apply(bucket.indices, updates)
+            by_position = torch.cat(norms)[bucket.stack_order] if norms else None
+            io.apply(bucket.indices, updates, by_position)
 
     def _dtype(self, k: int, ctx: Context) -> torch.dtype:
         return ctx.wire_dtype(self.works[self.buckets[k].units[0]])
