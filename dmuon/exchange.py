@@ -76,7 +76,9 @@ def start_all_to_all(
     send_splits = [sum(t.numel() for t in pieces) for pieces in pieces_by_dest]
     recv_splits = [sum(math.prod(s) for s in shapes) for shapes in shapes_by_source]
     flat = [t.reshape(-1).to(dtype) for pieces in pieces_by_dest for t in pieces]
-    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    send = laid_end_to_end(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    if send is None:
+        send = torch.cat(flat)
     output = torch.empty(sum(recv_splits), dtype=dtype, device=send.device)
     counter.bytes_sent += (sum(send_splits) - send_splits[my_position]) * send.element_size()
     counter.collectives += 1
@@ -85,6 +87,19 @@ def start_all_to_all(
         group=group, async_op=True,
     )
     return PendingExchange(output, shapes_by_source, work)
+
+
+def laid_end_to_end(flat: Sequence[Tensor]) -> Tensor | None:
+    """One 1-D view of the 1-D tensors ``flat`` where they already lie end to end in one storage
+    (an owner's updates returned whole, as one batched Newton–Schulz call left them), else None:
+    the send buffer then needs no copy."""
+    first = flat[0]
+    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
+    for t in flat:
+        if t.stride() != (1,) or t.data_ptr() != end or t.untyped_storage().data_ptr() != storage:
+            return None
+        end += t.numel() * t.element_size()
+    return first.as_strided((sum(t.numel() for t in flat),), (1,))
 
 
 def all_reduce_max(values: Tensor, group: dist.ProcessGroup | None, counter: CommCounter | None = None) -> Tensor:
