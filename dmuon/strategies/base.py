@@ -182,7 +182,6 @@ class Context:
                 torch.cat([pieces[u, b] * block.scale for b, block in enumerate(blocks)], dim=1)
         return outputs
 
-
     @staticmethod
     def _stack(inputs: dict[int, Tensor | list[Tensor]], works: Sequence[MatrixWork], rows: int,
                members: Sequence[tuple[int, int, int, bool]]) -> Tensor:

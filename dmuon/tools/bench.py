@@ -562,7 +562,7 @@ class PeakMemory:
 
 
 def wrap_model(model: Llama, parallel: str, world: int, device: torch.device,
-          mesh=None) -> tuple[nn.Module, OwnerSharding | None]:
+               mesh=None) -> tuple[nn.Module, OwnerSharding | None]:
     """The model under ``parallel``, and its owner sharding if it has one."""
     if parallel == "ddp":
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None), None
@@ -651,7 +651,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", type=name_list(CONFIGS + BF16_WIRE_CONFIGS), default=list(CONFIGS),
                         help=f"comma-separated subset of {','.join(CONFIGS)}, or of those and "
                              f"{','.join(BF16_WIRE_CONFIGS)} (dmuon with bf16 on the wire beside its exact default) "
-                             f"(default: {','.join(CONFIGS)})"),
+                             f"(default: {','.join(CONFIGS)})")
     parser.add_argument("--ns-coefficients", choices=NAMED_COEFFICIENTS, default="polar_express",
                         help="dmuon.Muon's Newton–Schulz coefficients; keller is what torch.optim.Muon and four of "
                              "the five peers run (same cost: 5 quintic steps in bf16) (default: %(default)s)")
