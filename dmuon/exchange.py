@@ -23,6 +23,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+if dist.is_available():
+    # torch.distributed.nn writes ``group.WORLD`` into its functions' defaults when first
+    # imported, and torch.optim imports it (through torch._dynamo) when the first optimizer is
+    # built. Imported then, after init_process_group, those defaults pin the default group for
+    # the life of the interpreter: destroy_process_group cannot stop gloo's worker threads, and
+    # one still releasing a finished collective's tensors when the interpreter shuts down aborts
+    # the process ("terminate called without an active exception"). Imported here, with dmuon
+    # and so usually before any process group exists, the defaults hold None.
+    import torch.distributed.nn  # noqa: F401
+
 
 @dataclass
 class CommCounter:
