@@ -87,12 +87,17 @@ _SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_multi_rank_muon_without_numpy(tmp_path: Path) -> None:
-    script = tmp_path / "no_numpy_ranks.py"
-    script.write_text(_SCRIPT)
+def _run_script(tmp_path: Path, name: str, text: str, argument: str) -> subprocess.CompletedProcess:
+    """``text`` run as script ``name`` in a child interpreter that imports this checkout's dmuon."""
+    script = tmp_path / name
+    script.write_text(text)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path,
+    return subprocess.run([sys.executable, str(script), argument], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=240)
+
+
+def test_multi_rank_muon_without_numpy(tmp_path: Path) -> None:
+    done = _run_script(tmp_path, "no_numpy_ranks.py", _SCRIPT, str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, result in enumerate(results):
@@ -149,11 +154,7 @@ def test_destroy_process_group_stops_gloo_after_an_optimizer(tmp_path: Path) -> 
     torch.optim imports with the first optimizer), so destroy_process_group frees it and gloo's
     threads stop before the interpreter exits: a gloo thread still alive then, releasing a
     finished collective's tensors, aborts the process."""
-    script = tmp_path / "teardown.py"
-    script.write_text(_TEARDOWN_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "init")], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240)
+    done = _run_script(tmp_path, "teardown.py", _TEARDOWN_SCRIPT, str(tmp_path / "init"))
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["references_left"] == 0
