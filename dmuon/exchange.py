@@ -85,10 +85,7 @@ def start_all_to_all(
     receive (zero-length splits). Bytes a rank addresses to itself are not counted as sent."""
     send_splits = [sum(t.numel() for t in pieces) for pieces in pieces_by_dest]
     recv_splits = [sum(math.prod(s) for s in shapes) for shapes in shapes_by_source]
-    flat = [t.reshape(-1).to(dtype) for pieces in pieces_by_dest for t in pieces]
-    send = laid_end_to_end(flat) if flat else torch.empty(0, dtype=dtype, device=device)
-    if send is None:
-        send = torch.cat(flat)
+    send = pack([t for pieces in pieces_by_dest for t in pieces], dtype, device)
     output = torch.empty(sum(recv_splits), dtype=dtype, device=send.device)
     counter.bytes_sent += (sum(send_splits) - send_splits[my_position]) * send.element_size()
     counter.collectives += 1
@@ -99,17 +96,33 @@ def start_all_to_all(
     return PendingExchange(output, shapes_by_source, work)
 
 
-def laid_end_to_end(flat: Sequence[Tensor]) -> Tensor | None:
-    """One 1-D view of the 1-D tensors ``flat`` where they already lie end to end in one storage
-    (an owner's updates returned whole, as one batched Newton–Schulz call left them), else None:
-    the send buffer then needs no copy."""
-    first = flat[0]
+def pack(pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device | None = None) -> Tensor:
+    """``pieces`` flattened and laid end to end in one 1-D ``dtype`` buffer: a view where they
+    already lie so (:func:`laid_end_to_end`), else one ``torch._foreach_copy_`` into a new buffer,
+    which casts and reads strided pieces (an owner's transposed updates) in the same pass — a
+    ``reshape(-1)`` first would copy each strided piece twice."""
+    if not pieces:
+        return torch.empty(0, dtype=dtype, device=device)
+    view = laid_end_to_end(pieces) if all(t.dtype == dtype for t in pieces) else None
+    if view is not None:
+        return view
+    numels = [t.numel() for t in pieces]
+    send = torch.empty(sum(numels), dtype=dtype, device=pieces[0].device)
+    torch._foreach_copy_([slot.view(t.shape) for slot, t in zip(send.split(numels), pieces)], list(pieces))
+    return send
+
+
+def laid_end_to_end(pieces: Sequence[Tensor]) -> Tensor | None:
+    """One 1-D view of ``pieces`` where they are contiguous and already lie end to end in one
+    storage (an owner's updates returned whole, as one batched Newton–Schulz call left them),
+    else None: the send buffer then needs no copy."""
+    first = pieces[0]
     storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
-    for t in flat:
-        if t.stride() != (1,) or t.data_ptr() != end or t.untyped_storage().data_ptr() != storage:
+    for t in pieces:
+        if not t.is_contiguous() or t.data_ptr() != end or t.untyped_storage().data_ptr() != storage:
             return None
         end += t.numel() * t.element_size()
-    return first.as_strided((sum(t.numel() for t in flat),), (1,))
+    return first.as_strided((sum(t.numel() for t in pieces),), (1,))
 
 
 def all_reduce_max(values: Tensor, group: dist.ProcessGroup | None, counter: CommCounter | None = None) -> Tensor:

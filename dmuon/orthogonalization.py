@@ -378,7 +378,9 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
         X = _standard(X, config.schedule, gram, symmetric)
     if tall:
         X = X.mT
-    return X.reshape(*batch_shape, m, n).to(G.dtype)
+    # a tall result is the transpose of what the products left: lay it out row-major in the cast
+    # (one pass over the narrow dtype), not in every later copy of its rows
+    return X.reshape(*batch_shape, m, n).to(G.dtype, memory_format=torch.contiguous_format)
 
 
 def gram_all_reduces(config: NSConfig) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dmuon.exchange import laid_end_to_end
+from dmuon.exchange import laid_end_to_end, pack
 
 
 def test_adjacent_pieces_of_one_tensor_are_one_view_of_it():
@@ -23,3 +23,17 @@ def test_pieces_out_of_order_apart_or_strided_need_a_copy():
     assert laid_end_to_end([torch.randn(3), torch.randn(3)]) is None  # two storages
     rows = torch.randn(4, 6)
     assert laid_end_to_end([rows.mT[0], rows.mT[1]]) is None  # strided
+
+
+def test_pack_copies_strided_and_cast_pieces_once_with_the_values_of_flatten_and_cast():
+    tall = torch.randn(1, 6, 4).mT.contiguous().mT  # a tall update as Newton-Schulz leaves it: column-major
+    pieces = [tall[0, :3], tall[0, 3:], torch.randn(2, 5)]
+    assert not pieces[0].is_contiguous()
+    for dtype in (torch.float32, torch.bfloat16):
+        send = pack(pieces, dtype)
+        assert send.dtype == dtype
+        assert torch.equal(send, torch.cat([p.reshape(-1).to(dtype) for p in pieces]))
+    batch = torch.randn(3, 4, 5)
+    assert pack(list(batch.split([1, 2])), torch.float32).data_ptr() == batch.data_ptr()  # no copy
+    assert pack(list(batch.split([1, 2])), torch.bfloat16).data_ptr() != batch.data_ptr()
+    assert pack([], torch.bfloat16).numel() == 0
