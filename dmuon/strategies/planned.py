@@ -35,9 +35,8 @@ from dmuon.strategies.base import Batch, Context, MatrixWork, StepIO, Timed, bat
 
 
 def rows_of(full: Tensor, layout: Layout, shard: int) -> Tensor:
-    """Shard ``shard``'s rows of a tensor of the layout's global shape: a view, strided where
-    ``full`` is (a tall matrix's update is the transpose of what Newton–Schulz computed), so
-    that the rows are copied once, where they go (the send buffer, the parameter)."""
+    """Shard ``shard``'s rows of a tensor of the layout's global shape, as a view: the rows are
+    copied once, where they go (the send buffer, the parameter)."""
     start = sum(layout.chunk_rows(s) for s in range(shard))
     return full.reshape(layout.shape)[start: start + layout.chunk_rows(shard)]
 

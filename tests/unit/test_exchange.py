@@ -26,7 +26,7 @@ def test_pieces_out_of_order_apart_or_strided_need_a_copy():
 
 
 def test_pack_copies_strided_and_cast_pieces_once_with_the_values_of_flatten_and_cast():
-    tall = torch.randn(1, 6, 4).mT.contiguous().mT  # a tall update as Newton-Schulz leaves it: column-major
+    tall = torch.randn(1, 6, 4).mT.contiguous().mT  # column-major, as a transposed view is
     pieces = [tall[0, :3], tall[0, 3:], torch.randn(2, 5)]
     assert not pieces[0].is_contiguous()
     for dtype in (torch.float32, torch.bfloat16):
