@@ -226,10 +226,14 @@ def _power_of_two_scale(amax: Tensor) -> Tensor:
 
 
 def _max_abs(X: Tensor) -> Tensor:
-    """max |X| per matrix of a stack ``(B, m, n)``, shaped (B, 1, 1); 0 for empty matrices."""
+    """max |X| per matrix of a stack ``(B, m, n)``, shaped (B, 1, 1); 0 for empty matrices.
+
+    As max(max X, −min X): two reads and no |X| temporary (about 0.7× the time of
+    ``X.abs().amax()`` on one CPU core); the same values, NaN and inf included (a matrix of
+    −0.0 gives −0.0, whose exponent bits are those of 0)."""
     if X.numel() == 0:
         return X.new_zeros(X.shape[0], 1, 1)
-    return X.abs().amax(dim=(-2, -1), keepdim=True)
+    return torch.maximum(X.amax(dim=(-2, -1), keepdim=True), X.amin(dim=(-2, -1), keepdim=True).neg_())
 
 
 def normalize(G: Tensor, eps: float = NORMALIZATION_EPS) -> Tensor:
@@ -370,7 +374,7 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
     X = normalize(G.reshape(-1, m, n), config.eps).to(config.dtype)
     tall = m > n
     if tall:
-        X = X.mT
+        X = _transposed(X)
     gram, symmetric = _products(config)
     if config.method == "gram":
         X = _gram(X, config.schedule, config.restarts, gram, symmetric)
@@ -381,6 +385,20 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
     # a tall result is the transpose of what the products left: lay it out row-major in the cast
     # (one pass over the narrow dtype), not in every later copy of its rows
     return X.reshape(*batch_shape, m, n).to(G.dtype, memory_format=torch.contiguous_format)
+
+
+def _transposed(X: Tensor) -> Tensor:
+    """Each matrix of a stack ``(B, m, n)`` transposed, for the products: on CPU a contiguous
+    copy, a matrix at a time — strided inputs cost the products more than the copy (a 1536×512
+    bf16 matrix: about 1.1 ms more against 0.45 ms for the copy, one core), and a 2-D copy takes
+    torch's blocked transpose where a batched one is 2–4× slower. CUDA's products read strided
+    operands at full speed: there it stays a view."""
+    if X.device.type != "cpu":
+        return X.mT
+    out = X.new_empty(X.shape[0], X.shape[2], X.shape[1])
+    for matrix, transposed in zip(X, out):
+        transposed.copy_(matrix.T)
+    return out
 
 
 def gram_all_reduces(config: NSConfig) -> int:
