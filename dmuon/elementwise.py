@@ -115,10 +115,16 @@ def nesterov_inputs_all(grads: list[Tensor], bufs: list[Tensor], momentum: float
 
 def apply_updates_all(params: list[Tensor], updates: list[Tensor], lr: float, weight_decay: float,
                       scale: float) -> None:
-    """:func:`apply_update` of every (parameter, update) pair with one lr factor ``scale``."""
+    """:func:`apply_update` of every (parameter, update) pair with one lr factor ``scale``.
+
+    An update narrower than its parameter (bf16 off the wire into fp32 weights) goes into the
+    add as it is: type promotion widens it exactly inside the add's own pass, with the same bits
+    as widening it first, where a separate ``.to()`` would be a pass of its own (on CPU, bf16 →
+    fp32 conversion of a step's updates takes longer than the add). Only a wider update is
+    rounded to the parameter's dtype first, as :func:`apply_update` does."""
     torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_add_(params, [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(params, updates)],
-                        alpha=-lr * scale)
+    torch._foreach_add_(params, [u if torch.promote_types(u.dtype, p.dtype) == p.dtype else u.to(p.dtype)
+                                 for p, u in zip(params, updates)], alpha=-lr * scale)
 
 
 def update_momentum_of(entries: Sequence[tuple], state: dict, kernels: CompiledKernels | None

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dmuon
+from dmuon.elementwise import apply_updates_all
 from dmuon.orthogonalization import newton_schulz, orthogonalize, orthogonalize_column_blocks, resolve_config
 from dmuon.reference import ReferenceMuon
 from tests.harness import run_on_ranks
@@ -226,3 +227,22 @@ def test_fp32_stack_is_within_the_stated_bound_with_two_threads(method, bound):
     per thread: the results then differ by rounding (measured ≤ 2e-6 standard, 3.5e-5 Gram)."""
     differences = stack_differences(F32, method, threads=2)
     assert max(differences.values()) <= bound, differences
+
+
+@pytest.mark.parametrize("param_dtype,update_dtype", [(F32, BF16), (F32, torch.float16), (F64, F32),
+                                                      (BF16, F32), (torch.float16, BF16)])
+def test_apply_of_a_differently_typed_update_matches_rounding_it_first(param_dtype, update_dtype):
+    """The foreach apply adds a narrower update (bf16 off the wire) without converting it first;
+    the weights get the bits of widening it first. A wider one (or one neither holds) is rounded
+    to the weight's dtype first. Contiguous and strided updates."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.randn(shape, generator=gen).to(param_dtype) for shape in [(64, 48), (1000, 3), (7,)]]
+    updates = [torch.randn(params[0].shape, generator=gen).to(update_dtype),
+               torch.randn(3, 1000, generator=gen).to(update_dtype).mT,
+               torch.randn(7, generator=gen).to(update_dtype)]
+    lr, wd, scale = 0.02, 0.1, 1.7
+    expected = [p.clone() for p in params]  # every update converted first, then the same foreach calls
+    torch._foreach_mul_(expected, 1 - lr * wd)
+    torch._foreach_add_(expected, [u.to(p.dtype) for p, u in zip(expected, updates)], alpha=-lr * scale)
+    apply_updates_all(params, updates, lr, wd, scale)
+    assert all(torch.equal(p, e) for p, e in zip(params, expected))
