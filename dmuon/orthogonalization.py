@@ -236,19 +236,43 @@ def _max_abs(X: Tensor) -> Tensor:
     return torch.maximum(X.amax(dim=(-2, -1), keepdim=True), X.amin(dim=(-2, -1), keepdim=True).neg_())
 
 
+# Where normalize takes the plain formula on CPU: ‖G‖_F finite (no square overflowed) and at least
+# this, so that max|G| ≥ ‖G‖_F/√numel ≥ 2^-60 for any matrix under 2^40 entries: the largest
+# squares are normal numbers, not lost to underflow.
+PLAIN_NORM_MIN = 2.0**-40
+
+
 def normalize(G: Tensor, eps: float = NORMALIZATION_EPS) -> Tensor:
     """G / (‖G‖_F + eps) per matrix, in at least fp32; the zero matrix maps to zeros.
 
-    Computed as Y / (‖Y‖_F + eps/s) with Y = G/s and s = 2^⌊log₂ max|G|⌋: the squares in the
-    norm cannot overflow (|Y| < 2) for any finite G — G/(‖G‖_F + eps) in fp32 gives exactly 0
-    from |G| ≈ 1.8e19 on, where ‖G‖_F overflows. Dividing by a power of two only shifts
-    exponents, so wherever the plain formula neither overflows nor underflows (every ordinary
-    gradient) the result is bitwise the same as G/(‖G‖_F + eps).
+    Where the plain formula would overflow or underflow, computed as Y / (‖Y‖_F + eps/s) with
+    Y = G/s and s = 2^⌊log₂ max|G|⌋: the squares in the norm cannot overflow (|Y| < 2) for any
+    finite G — G/(‖G‖_F + eps) in fp32 gives exactly 0 from |G| ≈ 1.8e19 on, where ‖G‖_F
+    overflows. Dividing by a power of two only shifts exponents, so for every ordinary gradient
+    the two formulas give the same bits. On CUDA every matrix takes the scaled one (choosing
+    would cost a host sync), and so does a compiled graph; eager on CPU each matrix takes the plain one where its norm is finite and
+    at least ``PLAIN_NORM_MIN`` — three passes over the matrix where the scaled formula takes
+    five (max, min, scale, norm, divide; memory-bound on CPU), and the choice is per matrix, so a
+    matrix's bits do not depend on the others in its stack.
     """
     work_dtype = torch.promote_types(G.dtype, torch.float32)
     X = G.to(work_dtype)
     if work_dtype not in _EXPONENT_FIELD or X.ndim < 2:
         return X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
+    if X.device.type != "cpu" or torch.compiler.is_compiling():  # no data-dependent branch in a graph
+        return _normalize_scaled(X, eps)
+    stack = X.reshape(-1, *X.shape[-2:])
+    norms = torch.linalg.matrix_norm(stack, keepdim=True)
+    out = stack / (norms + eps)
+    scaled = ~(norms.isfinite() & (norms >= PLAIN_NORM_MIN)).reshape(-1)
+    if scaled.any():  # a host sync, free on CPU; rare: huge, tiny, zero or non-finite matrices
+        which = scaled.nonzero().squeeze(1)
+        out[which] = _normalize_scaled(stack[which], eps)
+    return out.reshape(X.shape)
+
+
+def _normalize_scaled(X: Tensor, eps: float) -> Tensor:
+    """:func:`normalize` by the scaled formula, for every matrix of ``X``."""
     stack = X.reshape(-1, *X.shape[-2:])
     scale = _power_of_two_scale(_max_abs(stack)).reshape(*X.shape[:-2], 1, 1)
     Y = X / scale

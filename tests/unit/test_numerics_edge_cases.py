@@ -13,7 +13,7 @@ from torch import nn
 
 import dmuon
 from dmuon.elementwise import apply_updates_all
-from dmuon.orthogonalization import newton_schulz, orthogonalize, orthogonalize_column_blocks, resolve_config
+from dmuon.orthogonalization import newton_schulz, normalize, orthogonalize, orthogonalize_column_blocks, resolve_config
 from dmuon.reference import ReferenceMuon
 from tests.harness import run_on_ranks
 from tests.helpers import local, params_and_reference, placements_for, rows_of, step_with_reference
@@ -246,3 +246,18 @@ def test_apply_of_a_differently_typed_update_matches_rounding_it_first(param_dty
     torch._foreach_add_(expected, [u.to(p.dtype) for p, u in zip(expected, updates)], alpha=-lr * scale)
     apply_updates_all(params, updates, lr, wd, scale)
     assert all(torch.equal(p, e) for p, e in zip(params, expected))
+
+
+def test_normalize_gives_each_matrix_its_own_bits_in_a_mixed_stack():
+    """normalize chooses its formula per matrix (plain, or scaled where the plain one would
+    overflow or underflow): an ordinary matrix stacked with huge, tiny, zero and non-finite ones
+    gets the bits it gets alone, and so does each of those."""
+    G = unit_max_matrix((24, 40), seed=2).float()
+    nan = G.clone()
+    nan[3, 5] = float("nan")
+    stack = torch.stack([G, G * 2.0**100, G * 1e30, G * 1e-30, torch.zeros_like(G), nan, G * 3.0])
+    together = normalize(stack)
+    for i, matrix in enumerate(stack):
+        assert torch.equal(together[i].nan_to_num(7.0), normalize(matrix).nan_to_num(7.0)), i
+    assert torch.equal(together[1], together[0])  # the scaled formula, where it is exact, gives the plain bits
+    assert (together[4] == 0).all() and together[5].isnan().all()

@@ -562,7 +562,9 @@ def test_named_groups_that_route_to_one_algorithm():
 def test_a_step_reads_the_device_once(monkeypatch):
     """Apart from AdamW's step counters (host tensors, as in torch.optim), a step reads one
     tensor value on the host: the agreed flags. On CUDA that is the step's only synchronization;
-    the non-finite checks and everything after the agreement stay on the device."""
+    the non-finite checks and everything after the agreement stay on the device. On CPU, where a
+    read costs nothing, each Newton–Schulz call also asks whether a matrix needs the scaled
+    normalization (:func:`dmuon.orthogonalization.normalize`; never on CUDA)."""
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
     opt = dmuon.Muon(model, lr=0.01)
     for _ in range(2):  # the second step runs with state, as in training
@@ -579,7 +581,7 @@ def test_a_step_reads_the_device_once(monkeypatch):
             monkeypatch.setattr(torch.Tensor, name, counted)
         opt.step()
         monkeypatch.undo()
-        assert reads == ["tolist"]
+        assert reads == ["tolist"] + ["__bool__"] * len(opt.last_step_stats.ns_calls)
 
 
 # ---------------------------------------------------------------- misuse that must not pass silently
