@@ -250,10 +250,10 @@ def normalize(G: Tensor, eps: float = NORMALIZATION_EPS) -> Tensor:
     finite G — G/(‖G‖_F + eps) in fp32 gives exactly 0 from |G| ≈ 1.8e19 on, where ‖G‖_F
     overflows. Dividing by a power of two only shifts exponents, so for every ordinary gradient
     the two formulas give the same bits. On CUDA every matrix takes the scaled one (choosing
-    would cost a host sync), and so does a compiled graph; eager on CPU each matrix takes the plain one where its norm is finite and
-    at least ``PLAIN_NORM_MIN`` — three passes over the matrix where the scaled formula takes
-    five (max, min, scale, norm, divide; memory-bound on CPU), and the choice is per matrix, so a
-    matrix's bits do not depend on the others in its stack.
+    would cost a host sync), and so does a compiled graph. Eager on CPU, each matrix takes the
+    plain one where its norm is finite and at least ``PLAIN_NORM_MIN``: three passes over the
+    matrix where the scaled formula takes five (max, min, scale, norm, divide; memory-bound on
+    CPU). The choice is per matrix, so a matrix's bits do not depend on the others in its stack.
     """
     work_dtype = torch.promote_types(G.dtype, torch.float32)
     X = G.to(work_dtype)
