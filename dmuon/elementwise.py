@@ -121,10 +121,34 @@ def apply_updates_all(params: list[Tensor], updates: list[Tensor], lr: float, we
     add as it is: type promotion widens it exactly inside the add's own pass, with the same bits
     as widening it first, where a separate ``.to()`` would be a pass of its own (on CPU, bf16 →
     fp32 conversion of a step's updates takes longer than the add). Only a wider update is
-    rounded to the parameter's dtype first, as :func:`apply_update` does."""
-    torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_add_(params, [u if torch.promote_types(u.dtype, p.dtype) == p.dtype else u.to(p.dtype)
-                                 for p, u in zip(params, updates)], alpha=-lr * scale)
+    rounded to the parameter's dtype first, as :func:`apply_update` does.
+
+    The bits must not depend on where an element sits, since shards and replicas hold the same
+    element at different places: into bf16/fp16 parameters the update goes as fp32 (on CPU,
+    torch's add of two bf16 tensors with ``alpha`` rounds in its vectorized loop where its scalar
+    loop does not, so the result depended on the position in the tensor and on its strides; the
+    mixed-dtype add rounds once, like ``(W + α·O)`` computed exactly), and a strided update (the
+    transpose a row-wise sharded matrix's exchange hands back) is made contiguous first."""
+    torch._foreach_mul_(params, _decay_factor(1 - lr * weight_decay, params[0].device))
+    torch._foreach_add_(params, [_addable(u, p.dtype) for p, u in zip(params, updates)], alpha=-lr * scale)
+
+
+def _decay_factor(factor: float, device: torch.device) -> float | Tensor:
+    """The weight-decay factor as ``torch._foreach_mul_`` takes it exactly: on CPU it rounds a
+    Python scalar to a bf16/fp16 tensor's dtype before multiplying (0.998 becomes 0.996 in bf16:
+    twice the decay), and multiplies by a 0-D float64 tensor as ``Tensor.mul_`` does by the scalar."""
+    return torch.tensor(factor, dtype=torch.float64) if device.type == "cpu" else factor
+
+
+def _addable(update: Tensor, dtype: torch.dtype) -> Tensor:
+    """``update`` as :func:`apply_updates_all` adds it to a ``dtype`` parameter: rounded to
+    ``dtype`` first if it is wider (as one process's update is, in the parameter's dtype), then
+    in fp32 for a bf16/fp16 parameter, contiguous."""
+    if torch.promote_types(update.dtype, dtype) != dtype:
+        update = update.to(dtype)
+    if dtype in (torch.bfloat16, torch.float16):
+        return update.to(torch.float32, memory_format=torch.contiguous_format)
+    return update.contiguous()
 
 
 def update_momentum_of(entries: Sequence[tuple], state: dict, kernels: CompiledKernels | None
@@ -177,5 +201,13 @@ def adamw_step(group: dict, state: dict) -> None:
         [], [state[p]["step"] for p in params],
         amsgrad=False, beta1=beta1, beta2=beta2, lr=hyper["lr"],
         weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=False,
-        foreach=not isinstance(hyper["lr"], Tensor),  # torch's foreach AdamW takes a float lr only
+        foreach=_foreach_adamw(params, hyper["lr"]),
     )
+
+
+def _foreach_adamw(params: Sequence[Tensor], lr: float | Tensor) -> bool:
+    """Whether torch's foreach AdamW gives the single-tensor one's bits: it takes a float lr
+    only, and on CPU it rounds its weight-decay factor to a bf16/fp16 parameter's dtype (see
+    :func:`_decay_factor`), where the single-tensor AdamW multiplies exactly."""
+    return not isinstance(lr, Tensor) and all(p.device.type != "cpu" or p.dtype in (torch.float32, torch.float64)
+                                              for p in params)

@@ -407,8 +407,13 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
     if tall:
         X = X.mT
     # a tall result is the transpose of what the products left: lay it out row-major in the cast
-    # (one pass over the narrow dtype), not in every later copy of its rows
-    return X.reshape(*batch_shape, m, n).to(G.dtype, memory_format=torch.contiguous_format)
+    # (one pass over the narrow dtype), not in every later copy of its rows. Always row-major,
+    # even where no cast is needed: on CPU, adding a bf16 update into a parameter rounds
+    # differently for strided and contiguous operands, and replicas must get the same bits.
+    X = X.reshape(*batch_shape, m, n)
+    if X.dtype == G.dtype and X.is_contiguous():
+        return X
+    return torch.empty(X.shape, dtype=G.dtype, device=X.device).copy_(X)
 
 
 def _transposed(X: Tensor) -> Tensor:

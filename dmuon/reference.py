@@ -85,7 +85,9 @@ class ReferenceMuon(torch.optim.Optimizer):
                     scale = 1.0
                 lr = float(group["lr"])
                 p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update.reshape(p.shape), alpha=-lr * scale)
+                # the sum in at least fp32, rounded once: torch's CPU add of two bf16 tensors with
+                # alpha rounds differently in its vectorized and scalar loops (so by position)
+                p.add_(update.reshape(p.shape).to(torch.promote_types(p.dtype, torch.float32)), alpha=-lr * scale)
         return loss
 
     @staticmethod

@@ -229,23 +229,34 @@ def test_fp32_stack_is_within_the_stated_bound_with_two_threads(method, bound):
     assert max(differences.values()) <= bound, differences
 
 
-@pytest.mark.parametrize("param_dtype,update_dtype", [(F32, BF16), (F32, torch.float16), (F64, F32),
-                                                      (BF16, F32), (torch.float16, BF16)])
-def test_apply_of_a_differently_typed_update_matches_rounding_it_first(param_dtype, update_dtype):
-    """The foreach apply adds a narrower update (bf16 off the wire) without converting it first;
-    the weights get the bits of widening it first. A wider one (or one neither holds) is rounded
-    to the weight's dtype first. Contiguous and strided updates."""
+@pytest.mark.parametrize("param_dtype,update_dtype", [(F32, BF16), (F32, torch.float16), (F64, F32), (F32, F32),
+                                                      (BF16, F32), (BF16, BF16), (torch.float16, BF16),
+                                                      (torch.float16, torch.float16)])
+def test_apply_gives_the_bits_of_one_tensor_at_a_time_whatever_the_layout(param_dtype, update_dtype):
+    """The foreach apply gives every element the bits the plain reference's per-tensor ops give
+    it (``mul_`` by the decay factor, then ``add_`` of the update in at least fp32, a wider one
+    rounded to the weight's dtype first), whatever the update's strides and wherever the element
+    sits: on CPU torch's foreach multiply rounds a Python scalar to a bf16 tensor's dtype, and
+    its bf16 add with alpha rounds differently in its vectorized and scalar loops, and a shard
+    holds an element at another position than the whole tensor does."""
     gen = torch.Generator().manual_seed(3)
-    params = [torch.randn(shape, generator=gen).to(param_dtype) for shape in [(64, 48), (1000, 3), (7,)]]
+    params = [torch.randn(shape, generator=gen).to(param_dtype) for shape in [(64, 48), (1000, 3), (7,), (37,)]]
     updates = [torch.randn(params[0].shape, generator=gen).to(update_dtype),
                torch.randn(3, 1000, generator=gen).to(update_dtype).mT,
-               torch.randn(7, generator=gen).to(update_dtype)]
+               torch.randn(7, generator=gen).to(update_dtype),
+               torch.randn(37, generator=gen).to(update_dtype)]
     lr, wd, scale = 0.02, 0.1, 1.7
-    expected = [p.clone() for p in params]  # every update converted first, then the same foreach calls
-    torch._foreach_mul_(expected, 1 - lr * wd)
-    torch._foreach_add_(expected, [u.to(p.dtype) for p, u in zip(expected, updates)], alpha=-lr * scale)
+    wide = torch.promote_types(param_dtype, F32)
+    expected = [p.clone() for p in params]
+    for e, u in zip(expected, updates):
+        e.mul_(1 - lr * wd)
+        rounded = u.to(param_dtype) if torch.promote_types(u.dtype, param_dtype) != param_dtype else u
+        e.add_(rounded.to(wide), alpha=-lr * scale)
+    pieces = [params[3][:20].clone(), params[3][20:].clone()]  # a tensor's elements, held as two shards
     apply_updates_all(params, updates, lr, wd, scale)
+    apply_updates_all(pieces, [updates[3][:20], updates[3][20:]], lr, wd, scale)
     assert all(torch.equal(p, e) for p, e in zip(params, expected))
+    assert torch.equal(torch.cat(pieces), expected[3])
 
 
 def test_normalize_gives_each_matrix_its_own_bits_in_a_mixed_stack():
