@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 # (module, attribute, phase): the functions timed; each returns to dmuon's code, none calls another
 TIMED = [
-    ("dmuon.optimizer", "agree_on_gradients", "agree on gradients"),
+    ("dmuon.optimizer", "agree_on_step", "agree on the step"),
     ("dmuon.optimizer", "update_momentum_of", "momentum"),
     ("dmuon.elementwise", "adamw_step", "AdamW"),
     ("dmuon.step_plan", "StepValues.inputs", "Nesterov inputs"),

@@ -1,20 +1,26 @@
 """Ranks agree before any data moves: one small all-reduce at every collective entry point.
 
 Every call that ranks make together — constructing the optimizer, ``add_param_group``,
-``load_state_dict``, ``step`` — starts with one ``all_reduce(MAX)`` whose first
-:data:`HEADER_LEN` elements say, on each rank, *which* call this is, a 63-bit digest of the
-configuration the call would run with, and whether the rank already failed locally. Carrying
-``x`` and ``−x`` gives every rank both the maximum and the minimum of each field, so one
-collective tells every rank whether all ranks are in the same call, with the same
+``load_state_dict``, ``step``, ``shard_by_owner`` — starts with one ``all_reduce(MAX)`` of a
+header of :data:`HEADER_LEN` float32 values: *which* call this is, a 63-bit digest of what the
+call depends on (the configuration; at ``step`` also the hyperparameters as they are now, the
+number of steps taken and which optimizer this is), and whether the rank already failed
+locally. Carrying ``x`` and ``−x`` gives every rank both the maximum and the minimum of each
+field, so one collective tells every rank whether all ranks are in the same call, with the same
 configuration, and error-free. Only when they are not does a second collective (an all-gather
 of bytes) fetch the details for the message — and then every rank raises the same error.
 
-Why the call kind travels too: a rank that calls ``add_param_group`` alone would otherwise
-sit in its agreement while the others enter ``step``'s collective, and hang. Both calls send
-the same number of elements (the header plus one flag per Muon parameter and one more), so
-the mismatched pair still completes and says what went wrong.
+The header has the same length at every entry point, so two ranks in different calls (one
+constructing an optimizer, another stepping one) still complete the all-reduce together and
+both learn what went wrong: a collective of mismatched sizes would abort the processes or leave
+one waiting. At ``step`` the header also carries whether some gradient may be non-finite and a
+digest of which parameters have no gradient; only when that digest differs between ranks does a
+second all-reduce send one flag per parameter.
 
-Fields are whole numbers below 2²⁴, exact in the float32 the step's flags travel in.
+A failure on one rank before the agreement — any exception of the rank's local part — travels
+as the failing rank's number, and every other rank raises an error carrying its message.
+
+Fields are whole numbers below 2²⁴, exact in float32.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import hashlib
 import json
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,13 +39,16 @@ from dmuon.elementwise import finite_flags, local, maybe_nonfinite
 from dmuon.exchange import CommCounter, all_gather_bytes, all_reduce_max
 
 Fingerprint = Sequence[tuple[str, str]]
+Words = tuple[int, int, int]
 
 ENTRIES = ("construction", "add_param_group", "load_state_dict", "step", "shard_by_owner")
-HEADER_LEN = 9  # entry, −entry, three digest words and their negatives, failing rank + 1
 _WORD_BITS = 21
+# the header's fields, by position
+_ENTRY, _DIGEST, _FAILED, _NUMBER, _NONFINITE, _MISSING = 0, 2, 8, 9, 10, 11
+HEADER_LEN = 17
 
 
-def digest_words(fingerprint: Fingerprint) -> tuple[int, int, int]:
+def digest_words(fingerprint: Fingerprint) -> Words:
     """A 63-bit digest of ``fingerprint`` as three 21-bit words (exact in float32)."""
     data = json.dumps(list(fingerprint)).encode()
     value = int.from_bytes(hashlib.sha256(data).digest()[:8], "big") >> 1
@@ -46,12 +56,13 @@ def digest_words(fingerprint: Fingerprint) -> tuple[int, int, int]:
     return tuple((value >> (_WORD_BITS * i)) & mask for i in range(3))  # type: ignore[return-value]
 
 
-def header(entry: str, words: tuple[int, int, int], failed: bool) -> list[float]:
-    code = ENTRIES.index(entry) + 1
-    fields = [code, -code]
-    for w in words:
-        fields += [w, -w]
-    return [float(v) for v in fields] + [float(dist.get_rank() + 1 if failed else 0)]
+def _both_signs(values: Sequence[int]) -> list[int]:
+    return [v for value in values for v in (value, -value)]
+
+
+def _differs(fields: Sequence[float], start: int, count: int) -> bool:
+    """Whether the ``count`` (x, −x) pairs from ``start`` differ between ranks (max ≠ min)."""
+    return any(fields[start + 2 * i] != -fields[start + 2 * i + 1] for i in range(count))
 
 
 def first_difference(fingerprints: Sequence[Fingerprint], what: str) -> str:
@@ -67,128 +78,187 @@ def first_difference(fingerprints: Sequence[Fingerprint], what: str) -> str:
     return f"Ranks disagree on the {what}, but no difference was found in its description."
 
 
+@dataclass(frozen=True)
+class Agreed:
+    """The header after the all-reduce, as every rank reads it."""
+
+    fields: tuple[float, ...]
+
+    @property
+    def number(self) -> int:
+        """The highest optimizer number any rank has issued (construction)."""
+        return int(self.fields[_NUMBER])
+
+    @property
+    def nonfinite(self) -> bool:
+        """Some rank's quick look flagged a gradient (step)."""
+        return self.fields[_NONFINITE] > 0
+
+    @property
+    def missing_differs(self) -> bool:
+        """The ranks lack gradients for different parameters (step)."""
+        return _differs(self.fields, _MISSING, 3)
+
+
+# A failure on another rank is raised here as the same type where it is one of these (else RuntimeError).
+_SHARED_TYPES = {t.__name__: t for t in (ValueError, TypeError, RuntimeError, KeyError, IndexError,
+                                          NotImplementedError, FloatingPointError, AttributeError)}
+
+
 def agree(
     entry: str,
-    fingerprint: Fingerprint | None,
+    fingerprint: Fingerprint | Callable[[], Fingerprint] | None,
     group: dist.ProcessGroup,
     device: torch.device,
     *,
-    payload: Tensor | None = None,
-    words: tuple[int, int, int] | None = None,
+    words: Words | None = None,
     error: BaseException | None = None,
     what: str = "optimizer configuration",
     counter: CommCounter | None = None,
-) -> Tensor | None:
-    """Run the agreement of one collective call; return ``payload`` MAX-reduced over ``group``.
+    number: int = 0,
+    nonfinite: Tensor | None = None,
+    missing: Words = (0, 0, 0),
+) -> Agreed:
+    """Run the agreement of one collective call over ``group``.
 
-    ``fingerprint`` describes the configuration (ordered (key, value) pairs; only its digest
-    travels unless ranks differ); a caller that has the digest already passes ``words`` and
-    may omit the fingerprint. ``error`` is this rank's own failure, if any: every other rank
-    then raises a ValueError carrying its message (and this rank should re-raise it).
-    Raises the same error on every rank when the ranks are in different calls, hold
-    different configurations, or one of them failed.
+    ``fingerprint`` describes what the call depends on (ordered (key, value) pairs, or a
+    function that lists them, called only when needed); only its digest travels unless ranks
+    differ. A caller that has the digest already passes ``words``. ``error`` is this rank's own
+    failure, if any: every other rank then raises a ValueError carrying its message (and this
+    rank re-raises it). ``number``, ``nonfinite`` (a bool tensor on ``device``, read with the
+    rest: no extra host sync) and ``missing`` are the construction's and the step's extra fields.
+    Raises the same error on every rank when the ranks are in different calls, hold different
+    configurations, or one of them failed.
     """
     if words is None:
-        words = digest_words(fingerprint or ())
-    values = header(entry, words, error is not None)
-    local = torch.tensor(values, dtype=torch.float32, device=device)
-    if payload is not None:
-        local = torch.cat([local, payload.to(device=device, dtype=torch.float32)])
-    reduced = all_reduce_max(local, group, counter)
-    fields = reduced[:HEADER_LEN].tolist()  # the one host read
-    codes = (int(fields[0]), -int(fields[1]))
+        words = digest_words(fingerprint() if callable(fingerprint) else fingerprint or ())
+    code = ENTRIES.index(entry) + 1
+    values = [code, -code, *_both_signs(words), dist.get_rank() + 1 if error is not None else 0, number, 0,
+              *_both_signs(missing)]
+    header = torch.tensor(values, dtype=torch.float32)
+    if device.type == "cuda":  # from pinned memory the copy does not wait for the step's kernels
+        header = header.pin_memory()
+    header = header.to(device, non_blocking=True)
+    if nonfinite is not None:
+        header[_NONFINITE] = nonfinite.to(torch.float32).reshape(())
+    fields = tuple(all_reduce_max(header, group, counter).tolist())  # the one host read
+    codes = (int(fields[_ENTRY]), -int(fields[_ENTRY + 1]))
     if codes[0] != codes[1]:
         low, high = sorted(ENTRIES[c - 1] for c in codes)
         raise RuntimeError(
             f"Ranks are in different optimizer calls: some called {low}, others {high}. "
-            "Construction, add_param_group, load_state_dict and step are collective: call them on every rank, "
-            "in the same order."
+            "Construction, add_param_group, load_state_dict, step and shard_by_owner are collective: call them "
+            "on every rank, in the same order, on the same optimizer."
         )
-    if fields[8] > 0:
-        messages = all_gather_bytes(str(error or "").encode(), group, device)
+    if fields[_FAILED] > 0:
+        sent = f"{type(error).__name__}\n{error}".encode() if error is not None else b""
+        messages = all_gather_bytes(sent, group, device)
         failed = next(r for r, m in enumerate(messages) if m)
         if error is not None:
             raise error
-        raise ValueError(f"{messages[failed].decode()} (raised on rank {failed}; every rank stops here)")
-    if any(fields[2 + 2 * i] != -fields[3 + 2 * i] for i in range(3)):
-        if fingerprint is None:
+        kind, message = messages[failed].decode().split("\n", 1)
+        raise _SHARED_TYPES.get(kind, RuntimeError)(f"{message} (raised on rank {failed}; every rank stops here)")
+    if _differs(fields, _DIGEST, 3):
+        described = fingerprint() if callable(fingerprint) else fingerprint
+        if described is None:
             raise RuntimeError(f"Ranks disagree on the {what} (its digest differs between ranks).")
-        everyone = all_gather_bytes(json.dumps(list(fingerprint)).encode(), group, device)
+        everyone = all_gather_bytes(json.dumps(list(described)).encode(), group, device)
         raise ValueError(first_difference([json.loads(b.decode()) for b in everyone], what))
-    return None if payload is None else reduced[HEADER_LEN:]
-
-
-# What a rank's own part of a collective call raises for bad input: shared with the other ranks.
-LOCAL_ERRORS = (ValueError, TypeError, NotImplementedError, KeyError)
+    return Agreed(fields)
 
 
 def agreed_call(entry: str, local_part: Callable[[], Fingerprint], group: dist.ProcessGroup | None,
-                device: Callable[[], torch.device], *, payload: Tensor | None = None) -> Fingerprint:
+                device: Callable[[], torch.device], *, number: int = 0,
+                what: str = "optimizer configuration") -> tuple[Fingerprint, Agreed | None]:
     """One collective entry point: this rank's ``local_part`` (its checks and changes, returning
     the fingerprint of the configuration they give), then the agreement over ``group``; the
-    fingerprint, or on every rank the same error if a rank failed or the ranks differ.
-    ``device`` is asked after ``local_part``, which may create the parameters it names."""
+    fingerprint and the agreed header (None without a group), or on every rank the same error
+    if a rank failed or the ranks differ. ``device`` is asked after ``local_part``, which may
+    create the parameters it names."""
     error, fingerprint = None, []
     try:
         fingerprint = local_part()
-    except LOCAL_ERRORS as err:
+    except Exception as err:  # any failure: the other ranks must not be left waiting in the agreement
         error = err
+    agreed = None
     if group is not None:
-        agree(entry, fingerprint, group, device(), payload=payload, error=error)
+        agreed = agree(entry, fingerprint, group, device(), error=error, number=number, what=what)
     if error is not None:
         raise error
-    return fingerprint
+    return fingerprint, agreed
 
 
-def agree_on_gradients(groups: Sequence[dict], muon: Sequence[tuple], here: Sequence[bool], policy: str,
-                       group: dist.ProcessGroup | None, device: torch.device, words: tuple[int, int, int],
-                       counter: CommCounter, names: Callable[[], list[str]]) -> list[bool] | None:
-    """Which Muon parameters of ``muon`` ((name, param, group, view)) to step, or None to skip
-    the whole step; ``here``: whether this rank steps each (owner sharding).
+# The highest optimizer number issued in this process, per agreement group: construction makes
+# the ranks agree on the next one, so that two optimizers are never taken for each other.
+_NUMBERS: dict[str, int] = {}
 
-    Under torch.distributed every rank must take the same decisions (or the collectives would
-    not match), so the flags travel in the step's agreement all-reduce: the step is skipped if
-    any rank saw a non-finite gradient (``policy`` "skip"; "raise" raises on every rank;
-    "ignore" checks nothing), and a Muon parameter is stepped only if every rank has its
-    gradient. The flags stay on the device until that all-reduce: reading its result is the
-    step's one host synchronization (on CUDA; none follows).
+
+def issued_number(group: dist.ProcessGroup) -> int:
+    return _NUMBERS.get(group.group_name, 0)
+
+
+def record_number(group: dist.ProcessGroup, number: int) -> None:
+    _NUMBERS[group.group_name] = number
+
+
+def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy: str,
+                  group: dist.ProcessGroup | None, device: Callable[[], torch.device],
+                  fingerprint: Callable[[], Fingerprint], counter: CommCounter, names: Callable[[], list[str]],
+                  ) -> tuple[list[Tensor], list[bool], set[int] | None]:
+    """The agreement of a step. ``prepare`` is this rank's part before it (its checks of its
+    settings and gradients); it returns every parameter of the optimizer, in group order, and
+    whether this rank steps each (owner sharding: only the owner does). Returns those, and which
+    parameters to leave alone, by position, or None to skip the whole step.
+
+    Every rank takes the same decisions (or the collectives would not match): the step is
+    skipped if any rank saw a non-finite gradient (``policy`` "skip"; "raise" raises on every
+    rank; "ignore" checks nothing), and a parameter is stepped only if every rank that steps it
+    has its gradient. A failure of ``prepare`` and a sparse gradient raise on every rank at once.
+    The flags stay on the device until the header's all-reduce: reading it is the step's one
+    host synchronization (on CUDA; none follows unless some rank flagged a gradient or ranks
+    lack different gradients).
     """
-    params = [p for g in groups for p in g["params"]]
-    mine = {id(p): ok for (_, p, _, _), ok in zip(muon, here)}
-    checked = [i for i, p in enumerate(params) if p.grad is not None and mine.get(id(p), True)]
+    error, params, here = None, [], []
+    try:
+        params, here = prepare()
+    except Exception as err:  # noqa: BLE001 - shared with the other ranks below
+        error = err
+    checked = [i for i, p in enumerate(params) if here[i] and p.grad is not None]
+    missing = [i for i, p in enumerate(params) if here[i] and p.grad is None]
     grads = [local(params[i].grad) for i in checked]
     sparse = next((i for i, g in zip(checked, grads) if g.is_sparse), None)
-    error, suspect = None, None
-    if sparse is not None:  # before any reduction (none runs on sparse tensors), shared with the other ranks
+    suspect = None
+    if error is None and sparse is not None:  # before any reduction (none runs on sparse tensors)
         error = RuntimeError(f"Muon does not support sparse gradients: {names()[sparse]!r} has one. Use dense "
                              "gradients (e.g. nn.Embedding(..., sparse=False)).")
-    elif policy != "ignore" and checked:
+    elif error is None and policy != "ignore" and checked:
         suspect = maybe_nonfinite(grads)
-    # an owner-sharded parameter's gradient is its owner's business alone: others report none missing
-    no_grad = torch.tensor([float(p.grad is None and ok) for (_, p, _, _), ok in zip(muon, here)])
-    if device.type == "cuda":  # from pinned memory the copy does not wait for the step's kernels
-        no_grad = no_grad.pin_memory().to(device, non_blocking=True)
-    bad = suspect.any().reshape(1) if suspect is not None else torch.zeros(1, dtype=torch.bool)
-    flags = torch.cat([bad.to(device=device, dtype=torch.float32), no_grad.to(device)])
-    if group is not None:  # the agreement's header travels with the flags, in one all-reduce
-        flags = agree("step", None, group, device, payload=flags, words=words, error=error, counter=counter)
+    missing_words = digest_words([("missing", json.dumps(missing))])
+    agreed = None
+    if group is not None:
+        agreed = agree("step", fingerprint, group, device(), error=error, counter=counter,
+                       nonfinite=suspect.any() if suspect is not None else None, missing=missing_words)
     if error is not None:
         raise error
-    agreed = flags.tolist()  # the one host read
+    flagged = agreed.nonfinite if agreed is not None else suspect is not None and bool(suspect.any().item())
+    left_alone = set(missing)
+    if agreed is not None and agreed.missing_differs:
+        flags = torch.tensor([float(i in left_alone) for i in range(len(params))], device=device())
+        everywhere = all_reduce_max(flags, group, counter).tolist()
+        left_alone = {i for i, f in enumerate(everywhere) if f > 0}
+        partial = [names()[i] for i in sorted(left_alone) if i in checked]
+        if partial:
+            warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=4)
     # the quick look flags huge finite gradients too: the exact check of those decides
-    nonfinite = _confirm_nonfinite(grads, suspect, group, device, counter) if agreed[0] > 0 else None
+    nonfinite = _confirm_nonfinite(grads, suspect, group, device(), counter) if flagged else None
     if nonfinite is not None:
         every = names()
         where = [every[checked[k]] for k in nonfinite] or ["another rank's parameters"]
         if policy == "raise":
             raise FloatingPointError(f"Non-finite gradients in {where}.")
         warnings.warn(f"Muon skipped a step: non-finite gradients in {where}.", stacklevel=4)
-        return None
-    partial = [name for (name, p, _, _), ok, missing in zip(muon, here, agreed[1:])
-               if missing and p.grad is not None and ok] if any(agreed[1:]) else []
-    if partial:
-        warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=4)
-    return [not missing and ok for ok, missing in zip(here, agreed[1:])]
+        return params, here, None
+    return params, here, left_alone
 
 
 def _confirm_nonfinite(grads: Sequence[Tensor], suspect: Tensor | None, group: dist.ProcessGroup | None,

@@ -176,16 +176,17 @@ def update_momentum_of(entries: Sequence[tuple], state: dict, kernels: CompiledK
     return pieces
 
 
-def adamw_steps(groups: Sequence[dict], state: dict) -> None:
+def adamw_steps(groups: Sequence[dict], state: dict, stepped: set[int]) -> None:
     """:func:`adamw_step` of every group."""
     for group in groups:
-        adamw_step(group, state)
+        adamw_step(group, state, stepped)
 
 
-def adamw_step(group: dict, state: dict) -> None:
-    """torch's AdamW on a group's AdamW parameters that have gradients, with the group's AdamW
-    hyperparameters (:func:`dmuon.hyperparameters.adamw_hyperparameters`)."""
-    params = [p for p, alg in zip(group["params"], group["algorithms"]) if alg == "adamw" and p.grad is not None]
+def adamw_step(group: dict, state: dict, stepped: set[int]) -> None:
+    """torch's AdamW on a group's AdamW parameters whose ``id`` is in ``stepped`` (they have a
+    gradient on every rank), with the group's AdamW hyperparameters
+    (:func:`dmuon.hyperparameters.adamw_hyperparameters`)."""
+    params = [p for p, alg in zip(group["params"], group["algorithms"]) if alg == "adamw" and id(p) in stepped]
     for p in params:
         if not state[p]:
             state[p]["step"] = torch.zeros((), dtype=torch.float32)

@@ -187,8 +187,9 @@ def job_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | No
 
 def collective_device(groups: Sequence[dict], group: dist.ProcessGroup | None) -> torch.device:
     """Where an optimizer's small collectives run: its parameters' device (NCCL groups take
-    only CUDA tensors), else the backend's."""
-    device = next((p.device for g in groups for p in g["params"]), None)
+    only CUDA tensors), else the backend's (also for parameters on the meta device, as a model
+    is before ``to_empty``)."""
+    device = next((p.device for g in groups for p in g["params"] if p.device.type != "meta"), None)
     if device is None:
         return default_device(group) if group is not None else torch.device("cpu")
     return device

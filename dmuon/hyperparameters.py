@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon.orthogonalization import SYMMETRIC_PRODUCTS, NSConfig, resolve_config
+from dmuon.orthogonalization import NS_DTYPES, SYMMETRIC_PRODUCTS, NSConfig, resolve_config
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
@@ -38,30 +38,33 @@ def _first(*values: Any) -> Any:
 
 
 def adamw_options(group: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """AdamW's options of a user's group, as stored: the group's ``adamw_*`` keys first, then
-    (lr, weight decay, betas; eps only in an ``"algorithm": "adamw"`` group) its plain keys, then
-    the constructor's. ``adamw_lr``/``adamw_weight_decay`` None mean "the group's lr / weight decay"."""
-    explicit = group.get("algorithm") == "adamw"
-    plain_lr = "lr" in group
-    plain_wd = "weight_decay" in group
+    """AdamW's options of a user's group, as stored.
+
+    The rule: in an ``"algorithm": "adamw"`` group the plain keys (``lr``, ``weight_decay``,
+    ``betas``, ``eps``) are AdamW's own. Elsewhere the plain ``lr``/``weight_decay`` are Muon's,
+    and AdamW takes, first found: the group's ``adamw_*`` key, the constructor's ``adamw_*``
+    argument, the group's ``lr``/``weight_decay``. Stored ``adamw_lr``/``adamw_weight_decay``
+    None mean "the group's lr / weight decay" (and that lr follows schedulers as they change it);
+    an explicit ``adamw_lr`` follows them too (:func:`adamw_hyperparameters`)."""
+    own = group.get("algorithm") == "adamw"
     return {
-        "adamw_lr": _first(group.get("adamw_lr"), None if plain_lr else defaults["adamw_lr"]),
+        "adamw_lr": _first(group.get("adamw_lr"), None if own and "lr" in group else defaults["adamw_lr"]),
         "adamw_weight_decay": _first(group.get("adamw_weight_decay"),
-                                     None if plain_wd else defaults["adamw_weight_decay"]),
+                                     None if own and "weight_decay" in group else defaults["adamw_weight_decay"]),
         "adamw_betas": tuple(_first(group.get("adamw_betas"), group.get("betas"), defaults["adamw_betas"])),
-        "adamw_eps": _first(group.get("adamw_eps"), group.get("eps") if explicit else None, defaults["adamw_eps"]),
+        "adamw_eps": _first(group.get("adamw_eps"), group.get("eps") if own else None, defaults["adamw_eps"]),
     }
 
 
 def adamw_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """The lr, weight decay, betas and eps AdamW applies to a group's AdamW parameters now.
 
-    An explicit ``adamw_lr`` follows the group's lr as schedulers change it: it is scaled by
-    lr / ``base_lr``, the group's lr when the group was added."""
+    An explicit ``adamw_lr`` follows the group's lr as schedulers (or the user) change it: it is
+    scaled by lr / ``base_lr``, the group's lr when the group was added (which must not be 0),
+    so a scheduler that takes the lr to 0 takes AdamW's to 0 too."""
     lr = group["lr"]
     if group["adamw_lr"] is not None:
-        base = float(group["base_lr"])
-        lr = group["adamw_lr"] * float(lr) / base if base > 0 else group["adamw_lr"]
+        lr = group["adamw_lr"] * float(lr) / float(group["base_lr"])
     return {
         "lr": lr,
         "weight_decay": _first(group["adamw_weight_decay"], group["weight_decay"]),
@@ -84,8 +87,8 @@ class EngineOptions:
 
     def validate(self) -> None:
         comm_dtype, bucket_bytes = self.comm_dtype, self.bucket_bytes
-        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
-            raise ValueError(f"Invalid {comm_dtype=}. Must be a floating torch.dtype or None.")
+        if comm_dtype is not None and comm_dtype not in NS_DTYPES:
+            raise ValueError(f"Invalid {comm_dtype=}. Must be one of {[str(d) for d in NS_DTYPES]} or None.")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"Invalid {bucket_bytes=}. Must be a positive int.")
         for name in ("replica_split", "distributed_ns"):
@@ -138,7 +141,7 @@ def validate_defaults(defaults: dict[str, Any], options: EngineOptions) -> None:
     if defaults["nonfinite_grads"] not in NONFINITE_POLICIES:
         raise ValueError(f"Invalid nonfinite_grads={defaults['nonfinite_grads']!r}. Must be one of {NONFINITE_POLICIES}.")
     validate_muon_group(defaults)
-    validate_adamw_group(adamw_options({}, defaults))
+    validate_adamw_group({**adamw_options({}, defaults), "base_lr": defaults["lr"]})
 
 
 def validate_muon_group(group: dict[str, Any], where: str = "") -> None:
@@ -167,6 +170,10 @@ def validate_adamw_group(group: dict[str, Any], where: str = "") -> None:
     for key in ("adamw_lr", "adamw_weight_decay"):
         if group[key] is not None:
             _check_range(key, group[key], where, 0.0)
+    if group["adamw_lr"] is not None and float(group["base_lr"]) == 0:
+        raise ValueError(f"Invalid lr=0.0 with adamw_lr={group['adamw_lr']!r}{where}: AdamW's lr follows the "
+                         "group's as adamw_lr * lr / (the lr the group started with), which needs a starting lr > 0. "
+                         "Start from lr > 0 (a scheduler may take it to 0), or leave adamw_lr out.")
     _check_range("adamw_eps", group["adamw_eps"], where, 0.0, low_open=True)
     betas = group["adamw_betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:

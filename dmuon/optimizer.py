@@ -14,12 +14,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dmuon import param_groups
-from dmuon.agreement import agree_on_gradients, agreed_call, digest_words
+from dmuon.agreement import Fingerprint, agree_on_step, agreed_call, digest_words, issued_number, record_number
 from dmuon.elementwise import adamw_steps, update_momentum_of
 from dmuon.engine import StepStats
 from dmuon.exchange import collective_device, job_group
 from dmuon.hyperparameters import EngineOptions, validate_defaults
-from dmuon.layout import owner_shardings
+from dmuon.layout import owned_by, owner_shardings
 from dmuon.orthogonalization import NORMALIZATION_EPS
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
 from dmuon.routing import Route, module_roles
@@ -105,14 +105,21 @@ class Muon(torch.optim.Optimizer):
         options = EngineOptions(comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products, compile,
                                 cuda_graphs)
 
-        def build() -> list[tuple[str, str]]:
+        def build() -> Fingerprint:
             self._build(params, defaults, options)
             return self._fingerprint(self.param_groups)
 
-        # every rank learns of a failure on any rank, and raises too
-        fingerprint = agreed_call("construction", build, self._agreement_group(), self._collective_device)
+        # every rank learns of a failure on any rank, and raises too; the ranks agree on the
+        # optimizer's number, so that a step of another optimizer is never taken for this one's
+        job = self._agreement_group()
+        fingerprint, agreed = agreed_call("construction", build, job, self._collective_device,
+                                          number=issued_number(job) if job is not None else 0)
+        self._number = agreed.number + 1 if agreed is not None else 0
+        if job is not None:
+            record_number(job, self._number)
         # from here on add_param_group is collective; the step's agreement carries this digest
-        self._fingerprint_words = digest_words(fingerprint)
+        self._agreed(fingerprint)
+        self._steps_taken = 0
         if symmetric_products == "auto":  # a collective: after the ranks agree on the options
             from dmuon.timing import choose_symmetric_products  # imported only when measuring
 
@@ -130,6 +137,7 @@ class Muon(torch.optim.Optimizer):
             self._model = weakref.ref(params)  # add_param_group looks up the names of new parameters
             params = list(params.named_parameters())
         self.skipped_steps = 0
+        self._number: int | None = None  # agreed after this
         self._update_squares: dict[str, list] = {}  # group label -> [sum of squares, elements], last step
         self._options = options
         self._symmetric_by_shape: dict[tuple[int, int], str] = {}  # "auto": measured at construction
@@ -160,24 +168,21 @@ class Muon(torch.optim.Optimizer):
         build = (lambda: param_groups.build_group(param_group, self.defaults, len(self.param_groups),
                                                   self._module_roles,
                                                   param_groups.names_in(self._model()) if named else None))
-        if not hasattr(self, "_fingerprint_words"):  # from torch.optim.Optimizer.__init__: agreed after
+        if not hasattr(self, "_structure_words"):  # from torch.optim.Optimizer.__init__: agreed after
             self._add_stored(build())
             return
         before = len(self.param_groups)
 
-        def add() -> list[tuple[str, str]]:
+        def add() -> Fingerprint:
             self._add_stored(build())
             return self._fingerprint(self.param_groups)
 
         try:
-            # as many elements as step's agreement: a rank alone in here cannot hang the others
-            fingerprint = agreed_call("add_param_group", add, self._agreement_group(), self._collective_device,
-                                      payload=torch.zeros(1 + len(param_groups.muon_entries(self.param_groups))))
+            fingerprint, _ = agreed_call("add_param_group", add, self._agreement_group(), self._collective_device)
         except BaseException:
             del self.param_groups[before:]
             raise
-        self._fingerprint_words = digest_words(fingerprint)
-        self._plan = None
+        self._agreed(fingerprint)
 
     def _add_stored(self, group: dict[str, Any]) -> None:
         # torch's add_param_group would copy the constructor's defaults into the group, including
@@ -205,7 +210,15 @@ class Muon(torch.optim.Optimizer):
         return param_groups.label_of(self.param_groups, group)
 
     def _fingerprint(self, groups: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
-        return param_groups.fingerprint(groups, self._options.describe(), self.defaults["nonfinite_grads"])
+        return [*param_groups.fingerprint(groups, self._options.describe(), self.defaults["nonfinite_grads"],
+                                          across_ranks=self._agreement_group() is not None),
+                ("the optimizer's number", repr(self._number))]
+
+    def _agreed(self, fingerprint: Fingerprint) -> None:
+        """After an entry point the ranks agreed on: what later steps compare."""
+        self._structure_words = digest_words(fingerprint)
+        self._checked_settings = param_groups.settings(self.param_groups)
+        self._plan = None
 
     # ------------------------------------------------------------------ the plan
 
@@ -252,17 +265,22 @@ class Muon(torch.optim.Optimizer):
         """Load a state dict (collective under torch.distributed, as construction is).
 
         Checked before anything changes, naming the offending group or parameter: the groups'
-        keys and routing, and every state tensor's shape against its parameter's; then the ranks
-        compare the configuration the state would give them."""
-        def check() -> list[tuple[str, str]]:
-            param_groups.check_loadable(state_dict, self.param_groups)
-            return self._fingerprint(param_groups.loaded_groups(state_dict, self.param_groups))
+        keys, hyperparameters (as the constructor checks them) and routing, and every state
+        tensor's shape and layout against its parameter's; then the ranks compare the
+        configuration the state gives them. If any rank fails, every rank keeps its old state."""
+        kept = self.state, self.param_groups
 
-        fingerprint = agreed_call("load_state_dict", check, self._agreement_group(), self._collective_device,
-                                  payload=torch.zeros(1 + len(param_groups.muon_entries(self.param_groups))))
-        super().load_state_dict(state_dict)
-        self._fingerprint_words = digest_words(fingerprint)
-        self._plan = None
+        def load() -> Fingerprint:
+            param_groups.check_loadable(state_dict, self.param_groups)
+            torch.optim.Optimizer.load_state_dict(self, state_dict)
+            return self._fingerprint(self.param_groups)
+
+        try:
+            fingerprint, _ = agreed_call("load_state_dict", load, self._agreement_group(), self._collective_device)
+        except BaseException:
+            self.state, self.param_groups = kept
+            raise
+        self._agreed(fingerprint)
 
     def __getstate__(self) -> dict[str, Any]:
         """All of the optimizer but its engine, planner, plan and compiled kernels, which are
@@ -284,35 +302,40 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
+    # torch.compile(opt.step) would trace the collectives and the host decisions of a step;
+    # it runs the step eagerly instead (compile=True compiles the step's tensor code)
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        """One optimization step; ``closure`` re-evaluates the model and returns the loss.
+
+        Under ``torch.compile(opt.step)`` it runs eagerly: its collectives and agreed decisions
+        are not graph material. ``Muon(..., compile=True)`` compiles its tensor code."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._engine.start_step()
         self._update_squares = {}
-        muon = param_groups.muon_entries(self.param_groups)
-        here, shardings = owner_shardings([p for _, p, _, _ in muon])  # here: this rank steps it
-        for sharding in shardings:
-            sharding.wait_for_gradients()
-        stepped = agree_on_gradients(self.param_groups, muon, here, self.defaults["nonfinite_grads"],
-                                     self._agreement_group(), self._collective_device(), self._fingerprint_words,
-                                     self._engine.counter, lambda: param_groups.all_names(self.param_groups))
-        if stepped is None:
+        params, here, left_alone = agree_on_step(
+            self._prepare_step, self.defaults["nonfinite_grads"], self._agreement_group(), self._collective_device,
+            self._step_fingerprint, self._engine.counter, lambda: param_groups.all_names(self.param_groups))
+        self._steps_taken += 1
+        if left_alone is None:
             self.skipped_steps += 1
             return loss
-        for sharding in shardings:
+        for sharding in owner_shardings(params)[1]:
             sharding.weights_changed()
-        for (_, p, _, _), mine in zip(muon, here):
-            if not mine:
+        stepped = {id(p) for i, (p, mine) in enumerate(zip(params, here)) if mine and i not in left_alone}
+        muon = param_groups.muon_entries(self.param_groups)
+        for _, p, _, _ in muon:
+            if owned_by(p) is not None and not owned_by(p).is_mine:
                 # An empty entry on the ranks that do not own p: every rank's optimizer state
                 # then names every parameter, as torch.distributed.checkpoint requires to load.
                 self.state[p]
-        entries = [e for e, keep in zip(muon, stepped) if keep]
+        entries = [e for e in muon if id(e[1]) in stepped]
         pieces = update_momentum_of(entries, self.state, self._kernels)
-        adamw = partial(adamw_steps, self.param_groups, self.state)
+        adamw = partial(adamw_steps, self.param_groups, self.state, stepped)
         if not entries:
             adamw()
             return loss
@@ -320,6 +343,28 @@ class Muon(torch.optim.Optimizer):
         plan = self._plan = self._planner.plan_for(self._plan, entries, self._group_label, self._collective_device())
         self._engine.run(plan.prepared, StepValues(plan, pieces, self._kernels, self._update_squares, adamw))
         return loss
+
+    def _prepare_step(self) -> tuple[list[Tensor], list[bool]]:
+        """This rank's part of a step before the ranks agree: the parameters (those the model
+        replaced on leaving the meta device taken from it), whether this rank steps each, the
+        owner shardings' gradients, and the hyperparameters changed since they were last
+        checked, checked as the constructor checks them."""
+        param_groups.follow_meta_parameters(self.param_groups, self._model())
+        params = [p for group in self.param_groups for p in group["params"]]
+        here, shardings = owner_shardings(params)  # here: this rank steps it
+        for sharding in shardings:
+            sharding.wait_for_gradients()
+        now = param_groups.settings(self.param_groups)
+        if now != self._checked_settings:
+            param_groups.validate_groups(self.param_groups)
+            self._checked_settings = now
+        return params, here
+
+    def _step_fingerprint(self) -> Fingerprint:
+        """What a step depends on, as the ranks compare it: the configuration they agreed on
+        last, which optimizer this is, the steps it has taken, and the hyperparameters now."""
+        return [("configuration digest", repr(self._structure_words)), ("the optimizer's number", repr(self._number)),
+                ("number of steps taken", repr(self._steps_taken)), *self._checked_settings]
 
     def _collective_device(self) -> torch.device:
         return collective_device(getattr(self, "param_groups", ()), self._agreement_group())

@@ -28,6 +28,7 @@ Gram NS); in fp16 not even then (up to 3.9e-3). Not measured on CUDA.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -152,6 +153,36 @@ def coefficient_schedule(coefficients: CoefficientsSpec, steps: int) -> tuple[Co
             "or (a, b, c) triples."
         )
     return tuple(table[min(t, len(table) - 1)] for t in range(steps))
+
+
+# A Newton–Schulz input has its singular values in [0, 1] (it is divided by its Frobenius norm).
+# Where a schedule's composed polynomial leaves [−SCHEDULE_BOUND, SCHEDULE_BOUND] on [0, 1] after
+# some step, the next odd quintics raise those singular values to the fifth power and the weights
+# turn inf or NaN within a few steps. The named schedules stay below 2 (Polar Express's first step
+# peaks at 1.99, You's at 1.27, Keller's at 1.20, for 1 to 100 steps).
+SCHEDULE_BOUND = 4.0
+_SCHEDULE_GRID = 4097
+
+
+@functools.lru_cache(maxsize=256)
+def check_bounded(schedule: tuple[Coefficients, ...]) -> None:
+    """Raise a ValueError if the composed polynomials of ``schedule`` leave
+    [−SCHEDULE_BOUND, SCHEDULE_BOUND] for some singular value in [0, 1] after some step."""
+    x = torch.linspace(0.0, 1.0, _SCHEDULE_GRID, dtype=torch.float64)
+    y = x
+    for t, (a, b, c) in enumerate(schedule):
+        square = y * y
+        y = y * (a + square * (b + c * square))
+        peak = y.abs().max().item()
+        if not peak <= SCHEDULE_BOUND:  # NaN too
+            worst = x[y.abs().nan_to_num(float("inf")).argmax()].item()
+            raise ValueError(
+                f"Invalid ns_coefficients: after step {t + 1} the Newton–Schulz polynomial maps the singular value "
+                f"{worst:.3g} to {peak:.3g}, beyond ±{SCHEDULE_BOUND} (a sound schedule keeps every singular value "
+                "in [0, 1] near 1); the weights would turn inf or NaN.")
+
+
+NS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def default_gram_restarts(coefficients: CoefficientsSpec, steps: int) -> tuple[int, ...]:
@@ -376,9 +407,10 @@ def resolve_config(
         raise ValueError(f"Newton–Schulz needs a matrix or a stack of matrices, got shape {tuple(shape)}.")
     if not eps > 0:
         raise ValueError(f"Invalid {eps=}. Must be > 0.0.")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"Invalid ns_dtype={dtype!r}. Must be a floating torch.dtype or None.")
+    if dtype is not None and dtype not in NS_DTYPES:
+        raise ValueError(f"Invalid ns_dtype={dtype!r}. Must be one of {[str(d) for d in NS_DTYPES]} or None.")
     schedule = coefficient_schedule(coefficients, steps)
+    check_bounded(schedule)
     resolved, compute_dtype = choose_method(shape, method, dtype, device_type)
     if resolved == "gram":
         restarts = default_gram_restarts(coefficients, steps) if restarts is None else restarts

@@ -18,6 +18,9 @@ instead (the DMuon paper's "dedicated ownership"), so the optimizer step moves n
   (one ``reduce`` per owner and dtype, asynchronous) and the copies elsewhere are dropped; the
   owner's gradient becomes the average. Inside :meth:`OwnerSharding.no_sync` gradients only
   accumulate locally (gradient accumulation), and the reduce happens on the last micro-batch.
+  Without ``no_sync`` every backward reduces, and gradients add up as under DDP: an owner sets
+  its averaged gradient aside when the next backward reaches the parameter (a tensor hook runs
+  before autograd accumulates), and adds the next average to it.
 * **step**: :class:`dmuon.Muon` sees that a parameter is owner-sharded and, on its owner only,
   runs momentum, Newton–Schulz and the update locally; other ranks hold no state for it.
 
@@ -51,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dmuon.agreement import agree
+from dmuon.agreement import agreed_call
 from dmuon.exchange import CommCounter, default_device, start_all_reduce_sum, start_broadcast, start_reduce
 from dmuon.layout import OwnedParam, mark_owned
 from dmuon.orthogonalization import newton_schulz_flops, resolve_config
@@ -138,7 +141,7 @@ class OwnerSharding:
         owners: list[int],
         groups: Groups,
         reshard_after_forward: bool,
-        rest: list[nn.Parameter],
+        rest: list[nn.Parameter] | None,
     ) -> None:
         self.model = model
         self.groups = groups
@@ -153,7 +156,11 @@ class OwnerSharding:
         self._owner_of = {id(p): rank for (_, p), rank in zip(named_params, owners)}
         self.owners = {name: self._owner_of[id(p)] for name, p in named_params}
         self._layers = layers
-        self._rest = rest
+        self._rest = rest or []
+        # replicate_rest: every other trainable parameter is this sharding's too (None: FSDP2's or DDP's)
+        self._keeps_rest = rest is not None
+        self._averaged: dict[int, Tensor] = {}  # an owner's averaged gradients, by id of the parameter
+        self._set_aside: dict[int, Tensor] = {}  # those a later backward reached before the step used them
         self._version = 0
         self._sync = True
         self._order: list[int] = []  # layer indices in the order the first forward ran them
@@ -290,6 +297,15 @@ class OwnerSharding:
 
     # ------------------------------------------------------------------ backward
 
+    def _before_accumulation(self, param: nn.Parameter, grad: Tensor) -> Tensor:
+        """A backward reaches ``param`` while its owner still holds the average of an earlier
+        one (gradient accumulation without ``no_sync``): set it aside, so that only this rank's
+        new gradient is reduced, and add the new average to it afterwards."""
+        if param.grad is not None and param.grad is self._averaged.get(id(param)):
+            self._set_aside[id(param)] = param.grad
+            param.grad = None
+        return grad
+
     def _gradient_ready(self, index: int, param: nn.Parameter) -> None:
         layer = self._layers[index]
         self._backward_seen = True
@@ -334,10 +350,16 @@ class OwnerSharding:
 
     def wait_for_gradients(self) -> None:
         """Finish the gradient reduction of the last backward: afterwards each owner holds the
-        averaged gradient of its parameters and other ranks none. Runs by itself when every
-        parameter got its gradient; :class:`dmuon.Muon` calls it before stepping, for backward
-        passes that left some parameters without one (which must be the same on every rank)."""
+        averaged gradient of its parameters (added to the ones of earlier backward passes not
+        yet zeroed) and other ranks none. Runs by itself when every parameter got its gradient;
+        :class:`dmuon.Muon` calls it before stepping, for backward passes that left some
+        parameters without one (which must be the same on every rank).
+
+        Raises a ValueError naming a parameter that has a gradient although it was frozen when
+        the sharding was made (with ``replicate_rest``): nothing averages its gradient."""
+        self._check_no_stray_gradients()
         if not self._backward_seen:
+            self._restore_set_aside()
             return
         self._backward_seen = False
         for layer in self._layers:
@@ -359,7 +381,10 @@ class OwnerSharding:
             if self.is_mine(members[0]):
                 flat.div_(everyone)
                 for p, piece in zip(members, flat.split([p.numel() for p in members])):
-                    p.grad = piece.view_as(p)
+                    earlier = self._set_aside.pop(id(p), None)
+                    p.grad = piece.view_as(p) if earlier is None else earlier.add_(piece.view_as(p))
+                    self._averaged[id(p)] = p.grad
+        self._restore_set_aside()
         for p, work in self._rest_reduces:
             work.wait()
             p.grad.div_(everyone)
@@ -373,6 +398,25 @@ class OwnerSharding:
         self.last_step_bytes, self.rest_bytes = self.counter.bytes_sent, self.rest_counter.bytes_sent
         self.counter.reset()
         self.rest_counter.reset()
+
+    def _restore_set_aside(self) -> None:
+        """Averages set aside for a backward that reduced nothing (inside ``no_sync``, or none
+        ran): back into the gradient, which keeps what that backward accumulated."""
+        for p in self.params:
+            earlier = self._set_aside.pop(id(p), None)
+            if earlier is not None:
+                p.grad = earlier if p.grad is None else earlier.add_(p.grad)
+
+    def _check_no_stray_gradients(self) -> None:
+        if not self._keeps_rest:
+            return
+        known = set(self._owner_of) | {id(p) for p in self._rest}
+        stray = [name for name, p in self.model.named_parameters() if p.grad is not None and id(p) not in known]
+        if stray:
+            raise ValueError(
+                f"Parameter {stray[0]!r} has a gradient, but it was frozen (requires_grad=False) when shard_by_owner "
+                "ran, so nothing averages its gradient across ranks. Unfreeze every parameter that will train "
+                "before calling shard_by_owner (freezing one later is fine).")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -420,6 +464,8 @@ class OwnerSharding:
             for _, p in layer.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     lambda param, i=index: self._gradient_ready(i, param)))
+                if p.requires_grad:
+                    self._handles.append(p.register_hook(partial(self._before_accumulation, p)))
         for p in self._rest:
             self._handles.append(p.register_post_accumulate_grad_hook(self._rest_gradient_ready))
         holding_modules = {id(m): m for m in self.model.modules()
@@ -500,6 +546,56 @@ def _groups_and_ranks(mesh_or_group) -> tuple[Groups, list[int], list[int]]:
     )
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What :func:`shard_by_owner` decides on each rank before the ranks agree."""
+
+    layers: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]
+    ordered: list[tuple[str, nn.Parameter]]  # the owner-sharded parameters, layer by layer
+    positions: list[int]  # each one's owner, by position in the shard group
+    rest: list[nn.Parameter] | None  # replicated here (replicate_rest), else None
+
+
+def _plan(model: nn.Module, params: Iterable[nn.Parameter] | None, layers: Iterable[nn.Module] | None, size: int,
+          replicate_rest: bool) -> _Setup:
+    """The parameters to owner-shard (checked), their layers and owners: no collective."""
+    named = dict((id(p), (n, p)) for n, p in model.named_parameters())
+    if params is None:
+        roles = module_roles(model)
+        chosen = [(n, p) for n, p in named.values()
+                  if p.requires_grad and default_route(p, n, roles.get(id(p))).algorithm == "muon"]
+    else:
+        chosen = []
+        for p in params:
+            if id(p) not in named:
+                raise ValueError(f"A parameter of shape {tuple(p.shape)} in params is not a parameter of the model.")
+            chosen.append(named[id(p)])
+    for name, p in chosen:
+        if not isinstance(p, nn.Parameter) or type(p.data) is not Tensor:
+            raise ValueError(f"Parameter {name!r} is a {type(p.data).__name__}: shard_by_owner needs plain "
+                             "tensors (call it before fully_shard).")
+        if not p.is_contiguous() or p.storage_offset() or p.untyped_storage().nbytes() != _storage_bytes(p):
+            raise ValueError(f"Parameter {name!r} shares its storage with other tensors; shard_by_owner "
+                             "frees and refills whole storages.")
+        if p.ndim < 2:
+            raise ValueError(f"Parameter {name!r} has shape {tuple(p.shape)}; only matrices are owner-sharded.")
+        if not p.requires_grad:
+            raise ValueError(f"Parameter {name!r} is frozen (requires_grad=False): owner sharding needs the hooks "
+                             "of a trainable parameter. Leave it out of params.")
+    managed = {id(p): n for n, p in chosen}
+    grouped = _default_layers(model, managed, layers)
+    ordered = [(n, p) for _, _, members in grouped for n, p in members]
+    flops = []
+    for _, p in ordered:
+        count, m, n = matrix_shape(p.shape, "auto")
+        config = resolve_config((m, n), p.device.type)
+        flops.append(count * newton_schulz_flops(m, n, steps=config.steps, method=config.method,
+                                                 restarts=config.restarts))
+    positions = plan_ownership([n for n, _ in ordered], flops, [_storage_bytes(p) for _, p in ordered], size)
+    rest = [p for n, p in named.values() if p.requires_grad and id(p) not in managed] if replicate_rest else None
+    return _Setup(grouped, ordered, positions, rest)
+
+
 def shard_by_owner(
     model: nn.Module,
     mesh_or_group: dist.ProcessGroup | object | None = None,
@@ -531,46 +627,27 @@ def shard_by_owner(
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard_by_owner takes an nn.Module, not a {type(model).__name__}.")
     groups, holder_ranks, owner_ranks = _groups_and_ranks(mesh_or_group)
-    named = dict((id(p), (n, p)) for n, p in model.named_parameters())
-    if params is None:
-        roles = module_roles(model)
-        chosen = [(n, p) for n, p in named.values()
-                  if p.requires_grad and default_route(p, n, roles.get(id(p))).algorithm == "muon"]
-    else:
-        chosen = []
-        for p in params:
-            if id(p) not in named:
-                raise ValueError(f"A parameter of shape {tuple(p.shape)} in params is not a parameter of the model.")
-            chosen.append(named[id(p)])
-    for name, p in chosen:
-        if not isinstance(p, nn.Parameter) or type(p.data) is not Tensor:
-            raise ValueError(f"Parameter {name!r} is a {type(p.data).__name__}: shard_by_owner needs plain "
-                             "tensors (call it before fully_shard).")
-        if not p.is_contiguous() or p.storage_offset() or p.untyped_storage().nbytes() != _storage_bytes(p):
-            raise ValueError(f"Parameter {name!r} shares its storage with other tensors; shard_by_owner "
-                             "frees and refills whole storages.")
-        if p.ndim < 2:
-            raise ValueError(f"Parameter {name!r} has shape {tuple(p.shape)}; only matrices are owner-sharded.")
-    managed = {id(p): n for n, p in chosen}
-    grouped = _default_layers(model, managed, layers)
-    ordered = [(n, p) for _, _, members in grouped for n, p in members]
-    size = len(holder_ranks)
-    flops = []
-    for _, p in ordered:
-        count, m, n = matrix_shape(p.shape, "auto")
-        config = resolve_config((m, n), p.device.type)
-        flops.append(count * newton_schulz_flops(m, n, steps=config.steps, method=config.method,
-                                                 restarts=config.restarts))
-    positions = plan_ownership([n for n, _ in ordered], flops, [_storage_bytes(p) for _, p in ordered], size)
-    rest = [p for n, p in named.values() if p.requires_grad and id(p) not in managed] if replicate_rest else []
-    if groups.everyone is not None:  # before any data moves: every rank must shard the same model alike
-        fingerprint = {f"owner-sharded parameter {name!r}": f"{tuple(p.shape)} {p.dtype} in layer {layer}"
-                       for layer, _, members in grouped for name, p in members}
-        rest_ids = {id(p) for p in rest}
-        fingerprint["options"] = repr((reshard_after_forward, [n for n, p in named.values() if id(p) in rest_ids]))
-        agree("shard_by_owner", list(fingerprint.items()), groups.everyone,
-              next((p.device for _, p in ordered), default_device(groups.everyone)), what="owner sharding")
-    sharding = OwnerSharding(model, ordered, [_Layer(*g) for g in grouped], [holder_ranks[q] for q in positions],
-                             [owner_ranks[q] for q in positions], groups, reshard_after_forward, rest)
+    planned: list[_Setup] = []
+
+    def local_part() -> list[tuple[str, str]]:
+        planned.append(_plan(model, params, layers, len(holder_ranks), replicate_rest))
+        setup = planned[0]
+        fingerprint = [(f"owner-sharded parameter {name!r}", f"{tuple(p.shape)} {p.dtype} in layer {layer}")
+                       for layer, _, members in setup.layers for name, p in members]
+        rest_ids = {id(p) for p in setup.rest or ()}
+        rest = [n for n, p in model.named_parameters() if id(p) in rest_ids]
+        return [*fingerprint, ("options", repr((reshard_after_forward, rest)))]
+
+    def device() -> torch.device:
+        ordered = planned[0].ordered if planned else []
+        return next((p.device for _, p in ordered), default_device(groups.everyone))
+
+    # before any data moves: every rank must shard the same model alike, and a failure on one
+    # rank stops them all
+    agreed_call("shard_by_owner", local_part, groups.everyone, device, what="owner sharding")
+    setup = planned[0]
+    sharding = OwnerSharding(model, setup.ordered, [_Layer(*g) for g in setup.layers],
+                             [holder_ranks[q] for q in setup.positions], [owner_ranks[q] for q in setup.positions],
+                             groups, reshard_after_forward, setup.rest)
     sharding._install(sync_module_states)
     return sharding

@@ -1,6 +1,6 @@
 """dmuon.Muon's param groups: one stored group per group the user gave, each parameter in it
 routed to Muon or AdamW. Pure: these functions read parameters' shapes and names, never their
-values (except :func:`fingerprint`'s checksum of unnamed replicas), and touch no process group.
+values (except :func:`fingerprint`'s digest of unnamed replicas), and touch no process group.
 
 A stored group holds the Muon hyperparameters (``MUON_KEYS``), AdamW's (``ADAMW_GROUP_KEYS``:
 None for lr and weight decay means the group's own), ``"algorithm"`` (the user's override or
@@ -15,12 +15,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dmuon.hyperparameters import (
-    ADAMW_GROUP_KEYS, GROUP_KEYS, MUON_KEYS, STATE_KEYS, USER_KEYS, adamw_options, dtype_name, validate_adamw_group,
-    validate_muon_group,
+    ADAMW_GROUP_KEYS, GROUP_KEYS, MUON_KEYS, ROUTING_KEYS, STATE_KEYS, USER_KEYS, adamw_options, dtype_name,
+    validate_adamw_group, validate_muon_group,
 )
 from dmuon.layout import owned_by
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, Route, block_rows, default_route, matrix_shape
@@ -204,67 +205,178 @@ def routing_summary(groups: Sequence[dict[str, Any]]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def fingerprint(groups: Sequence[dict[str, Any]], options: str, nonfinite_grads: str) -> list[tuple[str, str]]:
-    """What the ranks must agree on, as ordered (what, value) pairs: every option that shapes
-    the step's collectives, every group's hyperparameters, and every Muon parameter (its name,
-    shape and matrix view) — their matrices take part in collectives. AdamW is element-wise
-    and local, so a rank may hold AdamW parameters that others lack.
-
-    Unnamed parameters can only be matched by position: where they are replicas (plain
-    tensors under DDP) the sum of their values tells two same-shape matrices apart, so that a
-    different order on some rank is caught."""
-    out = [("options", options), ("nonfinite_grads", repr(nonfinite_grads)),
-           ("number of param groups", str(len(groups)))]
+def settings(groups: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Every group's hyperparameters as the ranks compare them: at construction and at every
+    step, since schedulers and users change them between steps."""
+    out = []
     for g, group in enumerate(groups):
         for key in (*MUON_KEYS, *ADAMW_GROUP_KEYS, "algorithm", "name"):
             value = group.get(key)
             out.append((f"param group {g}'s {key}", repr(float(value) if isinstance(value, Tensor) else value)))
-        names = group.get("param_names")
-        muon = [i for i, alg in enumerate(group["algorithms"]) if alg == "muon"]
-        for j, i in enumerate(muon):
-            p, view = group["params"][i], group["matrix_views"][i]
-            shape = tuple(p.shape)
-            if names:
-                what = f"{names[i]!r} of shape {shape}"
-            elif isinstance(p, DTensor) or owned_by(p) is not None:
-                what = f"an unnamed {shape} matrix"
-            else:
-                what = (f"an unnamed {shape} matrix with values summing to {p.detach().double().sum().item()!r} "
-                        "(unnamed replicas are matched by position and values; pass names to match by name)")
-            what += "" if view == "auto" else f" seen as {view!r}"
-            out.append((f"param group {g}'s Muon parameter {j}", what))
     return out
+
+
+def fingerprint(groups: Sequence[dict[str, Any]], options: str, nonfinite_grads: str, *,
+                across_ranks: bool) -> list[tuple[str, str]]:
+    """What the ranks must agree on, as ordered (what, value) pairs: every option that shapes
+    the step's collectives, every group's hyperparameters, and every parameter (its name,
+    shape, dtype and algorithm): Muon matrices take part in collectives, and a parameter is
+    stepped only if every rank has its gradient, which the ranks tell by position.
+
+    ``across_ranks`` (a job of several ranks): unnamed Muon parameters are matched by position
+    too, so a different order on some rank must show. Unnamed replicas (plain tensors) carry a
+    digest of their values; where two of the same shape cannot be told apart that way (equal
+    values, DTensors, meta tensors), a ValueError asks for names."""
+    out = [("options", options), ("nonfinite_grads", repr(nonfinite_grads)),
+           ("number of param groups", str(len(groups)))]
+    out += settings(groups)
+    unnamed: dict[tuple, list[tuple[str, Tensor, int | None]]] = {}
+    for g, group in enumerate(groups):
+        names = group.get("param_names")
+        for i, (p, algorithm, view) in enumerate(zip(group["params"], group["algorithms"], group["matrix_views"])):
+            what = f"{names[i]!r}" if names else "unnamed"
+            what += f" {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')} for {algorithm}"
+            what += "" if view == "auto" else f" seen as {view!r}"
+            if across_ranks and not names and algorithm == "muon" and owned_by(p) is None:
+                digest = None if isinstance(p, DTensor) or p.is_meta else value_digest(p)
+                unnamed.setdefault((tuple(p.shape), p.dtype, view), []).append((f"group{g}.param{i}", p, digest))
+                if digest is not None:
+                    what += f" with values {digest:016x} (matched by position and values: pass names to match by name)"
+            out.append((f"param group {g}'s parameter {i}", what))
+    for (shape, _, _), matches in unnamed.items():
+        digests = [d for _, _, d in matches]
+        if len(matches) > 1 and (None in digests or len(set(digests)) < len(digests)):
+            labels = [label for label, _, _ in matches]
+            why = ("are DTensors or meta tensors" if None in digests else "hold identical values")
+            raise ValueError(
+                f"Muon parameters {labels} are unnamed, of the same shape {shape}, and {why}: dmuon cannot check "
+                "that every rank lists them in the same order, and a different order would exchange their updates. "
+                "Pass names: dmuon.Muon(model, ...) or dmuon.Muon(model.named_parameters(), ...).")
+    return out
+
+
+# A position-weighted sum of a tensor's bits: equal values in another order give another digest.
+_DIGEST_CHUNK = 1 << 22
+_INTEGER_VIEWS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MULTIPLIER, _OFFSET = -7046029254386353131, 7146057691288625177  # 0x9E3779B97F4A7C15 as int64, 0x632BE59BD9B4E019
+
+
+def value_digest(t: Tensor) -> int:
+    """A 64-bit digest of ``t``'s values, bit for bit and position by position: integer
+    arithmetic modulo 2⁶⁴, so every rank gets the same number for the same bits whatever the
+    order of the sums."""
+    bits = t.detach().reshape(-1).view(_INTEGER_VIEWS[t.element_size()]).to(torch.int64)
+    total = 0
+    for start in range(0, bits.numel(), _DIGEST_CHUNK):
+        chunk = bits[start: start + _DIGEST_CHUNK]
+        positions = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device)
+        weights = (positions * _MULTIPLIER + _OFFSET) | 1  # odd, wrapping in int64
+        total = (total + int((chunk * weights).sum())) % (1 << 64)
+    return total
+
+
+def follow_meta_parameters(groups: Sequence[dict[str, Any]], model: nn.Module | None) -> None:
+    """Replace parameters on the meta device by the model's parameters of the same names:
+    ``model.to_empty(device=...)`` gives a model built on the meta device new parameter objects,
+    and an optimizer built before it would otherwise hold the stale ones and step nothing.
+    Raises a ValueError naming a meta parameter that cannot be found so."""
+    current: dict[str, Tensor] | None = None
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group["params"]):
+            if not p.is_meta:
+                continue
+            name = names_of(group, g)[i]
+            if current is None:
+                current = dict(model.named_parameters()) if model is not None and "param_names" in group else {}
+            found = current.get(name)
+            if found is None or found.is_meta or found.shape != p.shape:
+                raise ValueError(
+                    f"Parameter {name!r} is still on the meta device, and "
+                    + ("the model holds no materialized parameter of that name and shape" if model is not None
+                       else "the optimizer was not built from the model, so it cannot find its replacement")
+                    + ". Build the optimizer after model.to_empty(device=...), or build it from the model "
+                    "(dmuon.Muon(model, ...)).")
+            group["params"][i] = found
+
+
+def validate_groups(groups: Sequence[dict[str, Any]]) -> None:
+    """Raise a ValueError naming the group and value of the first bad hyperparameter of stored
+    groups (after a scheduler, a user or a state dict changed them)."""
+    for g, group in enumerate(groups):
+        where = f" in param group {g}"
+        if "muon" in group["algorithms"]:
+            validate_muon_group(group, where)
+        validate_adamw_group(group, where)
 
 
 def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
     """Raise a ValueError naming the group or parameter if ``state_dict`` cannot be loaded
-    into these groups: missing keys, other routing, state tensors of other shapes."""
+    into these groups: missing keys, hyperparameters the constructor would refuse, other
+    routing, state tensors of other shapes or of another layout (a DTensor's state saved under
+    DDP, or the reverse)."""
     saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(state, dict):
         raise ValueError("Invalid state dict: it needs 'state' (a dict) and 'param_groups' (a list).")
     if len(saved_groups) != len(groups):
         raise ValueError(f"The state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}.")
     for g, (saved, mine) in enumerate(zip(saved_groups, groups)):
-        missing = [k for k in GROUP_KEYS if k not in saved]
+        if not isinstance(saved, dict):
+            raise ValueError(f"Param group {g} of the state dict is a {type(saved).__name__}, not a dict.")
+        missing = [k for k in (*GROUP_KEYS, "params") if k not in saved]
         if missing:
             raise ValueError(f"Param group {g} of the state dict lacks {missing} (a dmuon.Muon state dict "
                              "of another version or optimizer?).")
-        if len(saved["params"]) != len(mine["params"]):
-            raise ValueError(f"Param group {g} of the state dict has {len(saved['params'])} parameters, "
-                             f"this optimizer's {len(mine['params'])}.")
+        for key in ("params", *ROUTING_KEYS):
+            if not isinstance(saved[key], list) or len(saved[key]) != len(mine["params"]):
+                raise ValueError(f"Param group {g} of the state dict has {key!r} {_length(saved[key])}, for "
+                                 f"this optimizer's {len(mine['params'])} parameters.")
         names = names_of(mine, g)
         for i, (key, p) in enumerate(zip(saved["params"], mine["params"])):
             if saved["algorithms"][i] != mine["algorithms"][i]:
                 raise ValueError(f"Parameter {names[i]!r} is routed to {mine['algorithms'][i]} here but to "
                                  f"{saved['algorithms'][i]} in the state dict.")
             entry = state.get(key, {})
+            if not isinstance(entry, dict):
+                raise ValueError(f"The state of parameter {names[i]!r} is a {type(entry).__name__}, not a dict.")
             for name in STATE_KEYS[mine["algorithms"][i]] if entry else ():
-                value = entry.get(name)
-                if not isinstance(value, Tensor):
-                    raise ValueError(f"The state of parameter {names[i]!r} lacks {name!r}.")
-                if name != "step" and tuple(value.shape) != tuple(p.shape):
-                    raise ValueError(f"The state of parameter {names[i]!r} has {name} of shape "
-                                     f"{tuple(value.shape)}; the parameter's shape is {tuple(p.shape)}.")
+                _check_state_tensor(entry.get(name), name, p, names[i])
+    keys = [key for saved in saved_groups for key in saved["params"]]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"The state dict's param groups list a parameter key twice: {keys}.")
+    stray = [key for key in state if key not in set(keys)]
+    if stray:
+        raise ValueError(f"The state dict has state for parameter key {stray[0]!r}, which none of its param groups "
+                         "lists.")
+    for g, saved in enumerate(saved_groups):
+        where = f" in param group {g} of the state dict"
+        if "muon" in saved["algorithms"]:
+            validate_muon_group(saved, where)
+        validate_adamw_group(saved, where)
+
+
+def _length(value: Any) -> str:
+    return f"of {len(value)} entries" if isinstance(value, list) else f"as a {type(value).__name__}"
+
+
+def _check_state_tensor(value: Any, key: str, param: Tensor, name: str) -> None:
+    """One state tensor against its parameter: a tensor, of the parameter's shape and layout."""
+    if not isinstance(value, Tensor):
+        raise ValueError(f"The state of parameter {name!r} lacks {key!r} (or it is not a tensor).")
+    if key == "step":
+        return
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"The state of parameter {name!r} has {key} of shape {tuple(value.shape)}; the "
+                         f"parameter's shape is {tuple(param.shape)}.")
+    if isinstance(value, DTensor) != isinstance(param, DTensor) or (
+            isinstance(param, DTensor) and (tuple(value.placements) != tuple(param.placements)
+                                            or value.device_mesh != param.device_mesh)):
+        def layout(t: Tensor) -> str:
+            return f"a DTensor with placements {tuple(t.placements)}" if isinstance(t, DTensor) else "a plain tensor"
+
+        raise ValueError(f"The state of parameter {name!r} has {key} as {layout(value)}, but the parameter is "
+                         f"{layout(param)}: the state dict was saved in another layout (FSDP2 and DDP or one "
+                         "process, say). Load it through torch.distributed.checkpoint (get_optimizer_state_dict/"
+                         "set_optimizer_state_dict), which reshards.")
 
 
 def loaded_groups(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -4,11 +4,14 @@ same clear error on every rank — never a hang, never silently different weight
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import dmuon
 from tests.harness import run_on_ranks
@@ -99,14 +102,14 @@ def sparse_gradient_on_rank_1() -> None:
      r"RuntimeError: Ranks are in different optimizer calls: some called add_param_group, others step"),
     (add_group_with_lr_of_rank, r"ValueError: Ranks disagree .*param group 1's lr is 0.01 on rank 0 but 0.02 on rank 1"),
     (add_group_with_shape_of_rank,
-     r"ValueError: Ranks disagree .*param group 1's Muon parameter 0 is an unnamed \(5, 5\) matrix .* on rank 0 "
-     r"but an unnamed \(5, 6\) matrix"),
-    (unnamed_in_rank_order, r"ValueError: Ranks disagree .*param group 0's Muon parameter 0 is an unnamed \(6, 6\) "
-                            r"matrix with values summing to .*pass names"),
+     r"ValueError: Ranks disagree .*param group 1's parameter 0 is unnamed \(5, 5\) float32 for muon .* on rank 0 "
+     r"but unnamed \(5, 6\) float32 for muon"),
+    (unnamed_in_rank_order, r"ValueError: Ranks disagree .*param group 0's parameter 0 is unnamed \(6, 6\) "
+                            r"float32 for muon with values [0-9a-f]{16} .*pass names"),
     (nonfinite_policy_of_rank, r"ValueError: Ranks disagree .*nonfinite_grads is 'raise' on rank 0 but 'skip' on rank 1"),
     (extra_named_matrix_on_rank_1,
-     r"ValueError: Ranks disagree .*param group 0's Muon parameter 2 is missing on rank 0 but 'c' of shape \(5, 5\) "
-     r"on rank 1"),
+     r"ValueError: Ranks disagree .*param group 0's parameter 2 is missing on rank 0 but 'c' \(5, 5\) float32 for "
+     r"muon on rank 1"),
     (load_on_rank_0_only,
      r"RuntimeError: Ranks are in different optimizer calls: some called load_state_dict, others step"),
 ])
@@ -141,3 +144,242 @@ def test_a_group_added_on_every_rank_steps_as_one_process(world):
     for result in run_on_ranks(world, add_group_then_step):
         assert result["groups"] == 2
         assert all(torch.equal(a, b) for a, b in zip(result["params"], alone["params"]))
+
+
+# ---------------------------------------------------------------- matching parameters across ranks
+
+
+def zero_replicas_unnamed() -> None:
+    """Two zero-initialised matrices of one shape (LoRA-style): their order cannot be checked."""
+    a, b = nn.Parameter(torch.zeros(6, 6)), nn.Parameter(torch.zeros(6, 6))
+    muon([a, b])
+
+
+def permuted_replicas_in_rank_order() -> None:
+    """Two matrices whose values are a permutation of each other (equal sums), in another order
+    on rank 1: the values' digest depends on positions, so the order shows."""
+    a = torch.arange(36.0).reshape(6, 6)
+    first, second = nn.Parameter(a.clone()), nn.Parameter(a.flip(0).clone())
+    muon([first, second] if dist.get_rank() == 0 else [second, first])
+
+
+def unnamed_dtensors_of_one_shape() -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    params = [nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])) for _ in range(2)]
+    muon(params)
+
+
+def two_optimizers_stepped_in_swapped_order() -> None:
+    """Equal configurations (same shapes, same options): only their numbers tell them apart."""
+    first, second = make_params([(6, 6)], seed=0), make_params([(6, 6)], seed=0)
+    opts = [muon(first), muon(second)]
+    set_grads(first + second)
+    opts[dist.get_rank() % 2].step()
+
+
+def stepping_another_copy() -> None:
+    """The same optimizer number, but a deep copy that has taken fewer steps."""
+    import copy
+
+    params = make_params()
+    opt = muon(params)
+    set_grads(params)
+    opt.step()
+    copied = copy.deepcopy(opt)
+    opt.step()
+    (opt if dist.get_rank() == 0 else copied).step()
+
+
+@pytest.mark.parametrize("fn,expected", [
+    (zero_replicas_unnamed, r"ValueError: Muon parameters \['group0.param0', 'group0.param1'\] are unnamed, of the "
+                            r"same shape \(6, 6\), and hold identical values.*Pass names"),
+    (permuted_replicas_in_rank_order, r"ValueError: Ranks disagree .*param group 0's parameter 0 is unnamed \(6, 6\) "
+                                      r"float32 for muon with values"),
+    (unnamed_dtensors_of_one_shape, r"ValueError: Muon parameters .* are unnamed, of the same shape \(8, 4\), and are "
+                                    r"DTensors or meta tensors"),
+    (two_optimizers_stepped_in_swapped_order,
+     r"ValueError: Ranks disagree on the optimizer configuration: the optimizer's number is \d+ on rank 0 but \d+ on "
+     r"rank 1"),
+    (stepping_another_copy, r"ValueError: Ranks disagree .*number of steps taken is 2 on rank 0 but 1 on rank 1"),
+])
+def test_parameters_that_cannot_be_matched_are_refused_on_every_rank(fn, expected):
+    errors = run_on_ranks(2, error_of, fn)
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert re.match(expected, errors[0]), errors[0]
+
+
+# ---------------------------------------------------------------- settings changed after construction
+
+
+def changed_on_rank_1(key: str, value) -> None:
+    params = make_params()
+    opt = muon(params)
+    set_grads(params)
+    opt.step()
+    if dist.get_rank() == 1:
+        opt.param_groups[0][key] = value
+    set_grads(params, seed=2)
+    opt.step()
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("lr", 0.02, r"ValueError: Ranks disagree .*param group 0's lr is 0.01 on rank 0 but 0.02 on rank 1"),
+    ("ns_steps", 3, r"ValueError: Ranks disagree .*param group 0's ns_steps is 5 on rank 0 but 3 on rank 1"),
+    ("ns_method", "gram", r"ValueError: Ranks disagree .*param group 0's ns_method is 'auto' on rank 0 but 'gram'"),
+    ("ns_steps", 0, r"ValueError: Invalid ns_steps=0.* \(raised on rank 1; every rank stops here\)"),
+    ("momentum", 1.5, r"ValueError: Invalid momentum=1.5 in param group 0.*raised on rank 1"),
+])
+def test_settings_changed_on_one_rank_are_caught_at_the_next_step(key, value, expected):
+    """The step's agreement carries the hyperparameters as they are now (schedulers and users
+    change them between steps), checked as the constructor checks them when they changed."""
+    errors = run_on_ranks(3, error_of, changed_on_rank_1, key, value)
+    assert errors[0] is not None and errors[0] == errors[2], errors
+    assert re.match(expected, errors[0]), errors[0]
+
+
+def changed_on_every_rank() -> dict:
+    params = make_params()
+    opt = muon(params)
+    set_grads(params)
+    opt.step()
+    opt.param_groups[0]["lr"] = 0.03
+    opt.param_groups[0]["ns_steps"] = 4
+    set_grads(params, seed=2)
+    opt.step()
+    return {"params": [p.detach().clone() for p in params]}
+
+
+def test_settings_changed_alike_on_every_rank_step_as_one_process():
+    alone = run_on_ranks(1, changed_on_every_rank)[0]
+    for r in run_on_ranks(3, changed_on_every_rank):
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], alone["params"]))
+
+
+# ---------------------------------------------------------------- ranks in calls of different sizes
+
+
+def construct_while_others_step() -> None:
+    params = make_params()
+    opt = muon(params)
+    set_grads(params)
+    if dist.get_rank() == 0:
+        muon(make_params(seed=3))
+    else:
+        opt.step()
+
+
+def construct_while_others_load() -> None:
+    params = make_params()
+    opt = muon(params)
+    state = opt.state_dict()
+    if dist.get_rank() == 0:
+        muon(make_params(seed=3))
+    else:
+        opt.load_state_dict(state)
+
+
+def load_malformed_on_rank_1() -> dict:
+    """A state dict that torch's own loading would fail on with a TypeError, on one rank."""
+    params = make_params()
+    opt = muon(params)
+    set_grads(params)
+    opt.step()
+    state = opt.state_dict()
+    zeroed = {**state, "state": {k: {"momentum_buffer": torch.zeros_like(v["momentum_buffer"])}
+                                 for k, v in state["state"].items()}}  # loads fine alone: must be undone
+    broken = {**state, "param_groups": [{**g, "params": 5} for g in state["param_groups"]]}
+    before = [opt.state[p]["momentum_buffer"].clone() for p in params]
+    error = error_of(opt.load_state_dict, broken if dist.get_rank() == 1 else zeroed)
+    kept = all(torch.equal(b, opt.state[p]["momentum_buffer"]) for b, p in zip(before, params))
+    set_grads(params, seed=2)
+    opt.step()  # every rank kept its state and still steps together
+    return {"error": error, "kept": kept, "params": [p.detach().clone() for p in params]}
+
+
+@pytest.mark.parametrize("fn,expected", [
+    (construct_while_others_step, "some called construction, others step"),
+    (construct_while_others_load, "some called construction, others load_state_dict"),
+])
+def test_ranks_in_calls_of_different_sizes_all_raise(fn, expected):
+    """Every entry point sends a header of the same length, so no rank is left waiting."""
+    errors = run_on_ranks(2, error_of, fn)
+    assert all(e is not None and expected in e for e in errors), errors
+
+
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank_and_changes_nothing():
+    results = run_on_ranks(3, load_malformed_on_rank_1)
+    assert all(r["error"] is not None and "'params' as a int" in r["error"] for r in results), results
+    assert "raised on rank 1" in results[0]["error"]
+    for r in results:
+        assert r["kept"] and all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"]))
+
+
+def load_bad_hyperparameters(key: str, value) -> None:
+    params = make_params()
+    opt = muon(params)
+    state = opt.state_dict()
+    state["param_groups"][0][key] = value
+    opt.load_state_dict(state)
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("lr", float("nan"), "Invalid lr=nan in param group 0 of the state dict. Must be finite."),
+    ("lr", -1.0, "Invalid lr=-1.0 in param group 0 of the state dict. Must be >= 0.0."),
+    ("momentum", 1.5, "Invalid momentum=1.5 in param group 0 of the state dict"),
+    ("adamw_betas", (1.0, 0.999), "Invalid adamw_betas[0]=1.0 in param group 0 of the state dict"),
+    ("ns_coefficients", (100.0, -100.0, 100.0), "Invalid ns_coefficients: after step 1"),
+])
+def test_load_state_dict_refuses_what_the_constructor_refuses(key, value, expected):
+    errors = run_on_ranks(2, error_of, load_bad_hyperparameters, key, value)
+    assert all(e is not None and e.startswith("ValueError") and expected in e for e in errors), errors
+
+
+def load_across_layouts(direction: str) -> None:
+    """The state of a DDP (plain) optimizer loaded into an FSDP2 one, or the reverse."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    init = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    plain = nn.Parameter(init.clone())
+    sharded = nn.Parameter(distribute_tensor(init.clone(), mesh, [Shard(0)]))
+    source, target = (plain, sharded) if direction == "ddp->fsdp" else (sharded, plain)
+    opt = dmuon.Muon([("w", source)], lr=0.01)
+    source.grad = source.detach() * 0 + 1
+    opt.step()
+    dmuon.Muon([("w", target)], lr=0.01).load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize("direction,saved,current", [
+    ("ddp->fsdp", "a plain tensor", "a DTensor with placements (Shard(dim=0),)"),
+    ("fsdp->ddp", "a DTensor with placements (Shard(dim=0),)", "a plain tensor"),
+])
+def test_a_state_dict_of_another_layout_is_refused_at_load(direction, saved, current):
+    errors = run_on_ranks(2, error_of, load_across_layouts, direction)
+    for e in errors:
+        assert e is not None and f"'w' has momentum_buffer as {saved}, but the parameter is {current}" in e, e
+        assert "torch.distributed.checkpoint" in e
+
+
+# ---------------------------------------------------------------- gradients missing on some ranks
+
+
+def adamw_grad_on_rank_0_only() -> dict:
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 4))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p)
+    opt = dmuon.Muon(model, lr=0.01)
+    model(torch.ones(2, 6)).sum().backward()
+    if dist.get_rank() != 0:
+        model[0].bias.grad = None  # an AdamW parameter
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "warned": any("'0.bias'" in str(w.message) for w in caught), "state": "0.bias" in {
+                n for n, p in model.named_parameters() if opt.state.get(p)}}
+
+
+def test_an_adamw_parameter_without_a_gradient_on_one_rank_is_left_alone_everywhere():
+    results = run_on_ranks(3, adamw_grad_on_rank_0_only)
+    for r in results:
+        assert all(torch.equal(v, results[0]["params"][n]) for n, v in r["params"].items())
+        assert r["warned"] == (r is results[0]) and not r["state"]

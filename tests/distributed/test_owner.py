@@ -36,10 +36,13 @@ def muon_bytes(sharding: dmuon.OwnerSharding) -> int:
 
 
 def train_owner(reshard_after_forward: bool = False, accumulate: int = 1, with_fsdp: bool = False,
-                hsdp: bool = False) -> dict:
+                hsdp: bool = False, no_sync: bool = True) -> dict:
     """The tiny Llama of the parity tests, its Muon matrices owner-sharded, the data split across
-    ranks (and, with ``accumulate``, each rank's share into micro-batches); ``hsdp``: on a 2×N/2
-    (replicate, shard) mesh."""
+    ranks (and, with ``accumulate``, each rank's share into micro-batches, all but the last
+    inside ``sharding.no_sync()`` unless ``no_sync`` is False; then, as under DDP, every
+    backward reduces and the gradients add up); ``hsdp``: on a 2×N/2 (replicate, shard) mesh.
+    Without ``no_sync`` the gradients are zeroed between the first forward and its backward (the
+    other common place for ``zero_grad``)."""
     config = get_config("tiny")
     model = Llama(config, seed=0)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -63,12 +66,15 @@ def train_owner(reshard_after_forward: bool = False, accumulate: int = 1, with_f
     losses, step_bytes = [], []
     for step in range(STEPS):
         inputs, targets = data.local_batch(step, GLOBAL_BATCH, SEQ_LEN, rank, world)
-        opt.zero_grad()
+        if no_sync:
+            opt.zero_grad()
         total = torch.zeros(())
         for micro, (x, y) in enumerate(zip(inputs.chunk(accumulate), targets.chunk(accumulate))):
             last = micro == accumulate - 1
-            with contextlib.nullcontext() if last else sharding.no_sync():
+            with contextlib.nullcontext() if last or not no_sync else sharding.no_sync():
                 loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) / accumulate
+                if micro == 0 and not no_sync:
+                    opt.zero_grad()
                 loss.backward()
             total += loss.detach()
         step_bytes.append(sharding.last_step_bytes)
@@ -111,6 +117,16 @@ def reference() -> dict:
 def test_owner_sharded_training_matches_single_process(reference, world, z3, accumulate, with_fsdp):
     check_parity(reference, run_on_ranks(world, train_owner, z3, accumulate, with_fsdp), accumulate)
     # the work is spread over every rank
+
+
+@pytest.mark.parametrize("world,z3,hsdp,accumulate", [(2, False, False, 2), (3, True, False, 2), (4, False, True, 3),
+                                                     (4, True, True, 3)])
+def test_gradient_accumulation_without_no_sync_adds_up_as_under_ddp(reference, world, z3, hsdp, accumulate):
+    """Every micro-batch's backward reduces (the loop that is right under DDP): an owner sets its
+    averaged gradient aside when the next backward reaches the parameter and adds the next
+    average to it, so the step sees the sum of the micro-batches' averages."""
+    results = run_on_ranks(world, train_owner, z3, accumulate, False, hsdp, False)
+    check_parity(reference, results, accumulate, owners=[0, 1] if hsdp else None)
 
 
 @pytest.mark.parametrize("z3,accumulate,with_fsdp", [(False, 1, False), (True, 3, False), (False, 1, True)])
@@ -176,15 +192,15 @@ def small_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 16))
 
 
-def train_small(parallel: bool, steps: int = 3) -> dict:
+def train_small(parallel: bool, steps: int = 3, dtype: torch.dtype = torch.float32) -> dict:
     """Two Muon matrices (biases go to AdamW) on up to four ranks: some ranks own nothing."""
-    model = small_mlp()
+    model = small_mlp().to(dtype)
     rank, world = (dist.get_rank(), dist.get_world_size()) if parallel else (0, 1)
     sharding = dmuon.shard_by_owner(model) if parallel else None
     opt = dmuon.Muon(model, lr=0.05, ns_method="standard", ns_dtype=torch.float32)
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        x = torch.randn(12, 16, generator=generator)
+        x = torch.randn(12, 16, generator=generator).to(dtype)
         opt.zero_grad()
         F.mse_loss(model(x.chunk(world)[rank]), x.chunk(world)[rank].flip(1)).backward()
         opt.step()
@@ -193,7 +209,7 @@ def train_small(parallel: bool, steps: int = 3) -> dict:
     params = {}
     for name, p in model.named_parameters():
         if parallel and owned_by(p) is not None:
-            value = p.detach().clone() if owned_by(p).is_mine else torch.empty(p.shape)
+            value = p.detach().clone() if owned_by(p).is_mine else torch.empty(p.shape, dtype=p.dtype)
             dist.broadcast(value, src=owned_by(p).owner)
         else:
             value = p.detach().clone()
@@ -212,7 +228,49 @@ def test_ranks_that_own_nothing(world):
         assert r["state_keys"] == results[0]["state_keys"]  # every rank names every parameter
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("world", [2, 3])
+def test_low_precision_replicas_are_identical(world, dtype):
+    """bf16/fp16 weights: the replicated rest (biases, AdamW) is bitwise the same on every rank,
+    the owner-sharded matrices are what their owners broadcast, all close to one process (the
+    gradients are averaged over ranks, so not bitwise)."""
+    reference = train_small(False, dtype=dtype)
+    results = run_on_ranks(world, train_small, True, 3, dtype)
+    for rank, r in enumerate(results):
+        for name, value in r["params"].items():
+            assert value.dtype == dtype and torch.equal(value, results[0]["params"][name]), (rank, name)
+            torch.testing.assert_close(value, reference["params"][name], rtol=2e-2, atol=2e-2, msg=name)
+
+
 # ------------------------------------------------------------------ errors
+
+
+def unfreeze_after_sharding() -> None:
+    model = small_mlp()
+    model[2].weight.requires_grad_(False)
+    dmuon.shard_by_owner(model)
+    opt = dmuon.Muon(model, lr=0.05)
+    model[2].weight.requires_grad_(True)
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step()
+
+
+def test_a_matrix_unfrozen_after_sharding_is_refused_on_every_rank():
+    """Its gradient would never be averaged across ranks (no hook can be put on a frozen tensor)."""
+    messages = run_on_ranks(3, error_of, unfreeze_after_sharding)
+    assert all(m is not None and "'2.weight' has a gradient, but it was frozen" in m for m in messages), messages
+
+
+def bad_params_on_rank_1() -> None:
+    model = small_mlp()
+    dmuon.shard_by_owner(model, params=[model[0].bias] if dist.get_rank() == 1 else None)
+
+
+def test_a_failure_on_one_rank_stops_every_rank_before_any_data_moves():
+    messages = run_on_ranks(3, error_of, bad_params_on_rank_1)
+    assert all(m is not None and "'0.bias' has shape" in m for m in messages), messages
+    assert "raised on rank 1" in messages[0] and "raised on rank 1" in messages[2]
+
 
 
 def shard_after_fully_shard() -> None:

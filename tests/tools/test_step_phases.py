@@ -27,7 +27,7 @@ def test_every_phase_is_timed_and_the_phases_add_up_to_the_step(tmp_path, parall
         phases = rank["phases_s"]
         # DDP gathers nothing, but returns every update: an all-to-all per bucket either way
         assert all(rank["calls"].get(p, 0) >= 2 for p in
-                   ("agree on gradients", "momentum", "AdamW", "Nesterov inputs", "pack + start all-to-all",
+                   ("agree on the step", "momentum", "AdamW", "Nesterov inputs", "pack + start all-to-all",
                     "wait for an all-to-all", "apply updates")), rank["calls"]
         assert phases["Newton-Schulz"] > 0
         assert all(v >= 0 for k, v in phases.items() if k != "other")

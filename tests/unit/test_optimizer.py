@@ -84,7 +84,7 @@ def test_parity_fails_with_a_broken_coefficient():
     torch.manual_seed(0)
     p0 = torch.randn(32, 64) * 0.1
     a, b = nn.Parameter(p0.clone()), nn.Parameter(p0.clone())
-    opt = dmuon.Muon([{"params": [a], "algorithm": "muon"}], lr=0.02, ns_coefficients=(3.4445, -4.7750, 2.3),
+    opt = dmuon.Muon([{"params": [a], "algorithm": "muon"}], lr=0.02, ns_coefficients=(3.4445, -4.7750, 2.1),
                      ns_method="standard", ns_dtype=torch.bfloat16, adjust_lr_fn="original")
     ref = torch.optim.Muon([b], lr=0.02, adjust_lr_fn="original")
     for step in range(5):
@@ -227,6 +227,12 @@ def test_adamw_options():
     (dict(adamw_lr=float("inf")), "adamw_lr=inf. Must be finite"),
     (dict(adamw_weight_decay=float("-inf")), "adamw_weight_decay=-inf. Must be finite"),
     (dict(lr=torch.tensor(float("inf"))), "Must be finite"),
+    # options that would pass a type check but break the step
+    (dict(ns_coefficients=(100.0, -100.0, 100.0)), "after step 1 the Newton–Schulz polynomial maps"),
+    (dict(ns_coefficients=(3.4445, -4.775, 2.3)), "after step 3"),
+    (dict(ns_dtype=torch.float8_e4m3fn), "ns_dtype=torch.float8_e4m3fn"),
+    (dict(comm_dtype=torch.float8_e5m2), "comm_dtype=torch.float8_e5m2"),
+    (dict(lr=0.0, adamw_lr=1e-3), "Invalid lr=0.0 with adamw_lr=0.001"),
 ])
 def test_bad_hyperparameters_raise_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -561,7 +567,8 @@ def test_named_groups_that_route_to_one_algorithm():
 
 def test_a_step_reads_the_device_once(monkeypatch):
     """Apart from AdamW's step counters (host tensors, as in torch.optim), a step reads one
-    tensor value on the host: the agreed flags. On CUDA that is the step's only synchronization;
+    tensor value on the host: the agreed flags (in one process, whether some gradient may be
+    non-finite). On CUDA that is the step's only synchronization;
     the non-finite checks and everything after the agreement stay on the device. On CPU, where a
     read costs nothing, each Newton–Schulz call also asks whether a matrix needs the scaled
     normalization (:func:`dmuon.orthogonalization.normalize`; never on CUDA)."""
@@ -581,7 +588,7 @@ def test_a_step_reads_the_device_once(monkeypatch):
             monkeypatch.setattr(torch.Tensor, name, counted)
         opt.step()
         monkeypatch.undo()
-        assert reads == ["tolist"] + ["__bool__"] * len(opt.last_step_stats.ns_calls)
+        assert reads == ["item"] + ["__bool__"] * len(opt.last_step_stats.ns_calls)
 
 
 # ---------------------------------------------------------------- misuse that must not pass silently
@@ -702,3 +709,111 @@ def test_add_param_group_with_bare_tensors_finds_their_names_in_the_model():
     with pytest.raises(TypeError, match="not in the model it was built from: pass \\(name, tensor\\) pairs"):
         opt.add_param_group({"params": list(other.parameters())})
     assert len(opt.param_groups) == 2
+
+
+# ---------------------------------------------------------------- AdamW's lr, schedulers
+
+
+def test_a_groups_own_lr_does_not_replace_adamw_lr():
+    """adamw_lr is AdamW's: a group's lr is Muon's, except in an "algorithm": "adamw" group."""
+    net = make_net()
+    named = list(net.named_parameters())
+    opt = dmuon.Muon([{"params": named[:4], "lr": 0.05}, {"params": named[4:], "lr": 0.07, "algorithm": "adamw"}],
+                     lr=0.01, adamw_lr=0.003)
+    assert [adamw_hyperparameters(g)["lr"] for g in opt.param_groups] == [0.003, 0.07]
+
+
+def scheduled(name: str):
+    return {
+        "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: [1.0, 0.5, 0.0, 0.25, 1.0][step]),
+        "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=4,
+                                                                      cycle_momentum=False),
+        "ReduceLROnPlateau": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["LambdaLR", "OneCycleLR", "ReduceLROnPlateau"])
+def test_adamw_lr_follows_every_scheduler_as_adamw_lr_times_lr_over_the_starting_lr(name):
+    """The rule, step by step: Muon applies the group's lr; AdamW applies adamw_lr · lr / (the lr
+    the group started with), bitwise as torch's AdamW and the reference given those lrs — and an
+    lr of 0 moves neither."""
+    torch.manual_seed(0)
+    matrix, bias = nn.Parameter(torch.randn(8, 6)), nn.Parameter(torch.randn(6))
+    ref_matrix, ref_bias = nn.Parameter(matrix.detach().clone()), nn.Parameter(bias.detach().clone())
+    opt = dmuon.Muon([("w", matrix), ("b", bias)], lr=0.02, adamw_lr=0.004, weight_decay=0.1)
+    ref = ReferenceMuon([ref_matrix], lr=0.02, weight_decay=0.1)
+    ref_adamw = torch.optim.AdamW([ref_bias], lr=0.004, weight_decay=0.1)
+    scheduler = scheduled(name)(opt)
+    seen = []
+    for step in range(4):
+        lr = opt.param_groups[0]["lr"]
+        seen.append(lr)
+        ref.param_groups[0]["lr"] = lr
+        ref_adamw.param_groups[0]["lr"] = 0.004 * lr / 0.02
+        before = (matrix.detach().clone(), bias.detach().clone())
+        set_random_grads([matrix, bias], step)
+        set_random_grads([ref_matrix, ref_bias], step)
+        opt.step()
+        ref.step()
+        ref_adamw.step()
+        assert torch.equal(matrix, ref_matrix) and torch.equal(bias, ref_bias), (step, lr)
+        if lr == 0:
+            assert torch.equal(matrix, before[0]) and torch.equal(bias, before[1])
+        scheduler.step(1.0) if name == "ReduceLROnPlateau" else scheduler.step()
+    assert len(set(seen)) > 1, seen  # the schedule did change the lr
+
+
+# ---------------------------------------------------------------- misuse that must not pass silently
+
+
+def test_settings_changed_after_construction_are_checked_at_the_next_step():
+    net = make_net()
+    opt = dmuon.Muon(net, lr=0.01)
+    set_random_grads(net.parameters(), 0)
+    opt.step()
+    opt.param_groups[0]["ns_steps"] = 0
+    before = snapshot(net.parameters())
+    with pytest.raises(ValueError, match=r"Invalid ns_steps=0.*param group 0"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    opt.param_groups[0]["ns_steps"] = 4  # a valid change is taken
+    opt.step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+def test_torch_compile_of_the_step_runs_it_eagerly():
+    """torch.compile(opt.step) gives the eager step's bits (the step is not graph material:
+    collectives and agreed decisions); compile=True still compiles its tensor code."""
+    nets = [make_net(), make_net()]
+    opts = [dmuon.Muon(net, lr=0.01) for net in nets]
+    steps = [opts[0].step, torch.compile(opts[1].step)]
+    for i in range(2):
+        for net, step in zip(nets, steps):
+            set_random_grads(net.parameters(), i)
+            step()
+    assert all(torch.equal(a, b) for a, b in zip(nets[0].parameters(), nets[1].parameters()))
+
+
+def test_an_optimizer_built_on_the_meta_device_follows_to_empty():
+    """The standard way to build a large model: on the meta device, then ``to_empty`` (which
+    makes new parameter objects) and initialization. An optimizer built from the model before
+    ``to_empty`` takes the new parameters by name; one built from bare tensors says what to do."""
+    with torch.device("meta"):
+        early_net = Net()
+    early = dmuon.Muon(early_net, lr=0.01)
+    early_net.to_empty(device="cpu")
+    early_net.load_state_dict(make_net().state_dict())
+    net = make_net()
+    late = dmuon.Muon(net, lr=0.01)
+    for i in range(2):
+        for model, opt in ((early_net, early), (net, late)):
+            set_random_grads(model.parameters(), i)
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(early_net.parameters(), net.parameters()))
+    with torch.device("meta"):
+        bare = nn.Linear(4, 4)
+    opt = dmuon.Muon(list(bare.named_parameters()), lr=0.01)
+    bare.to_empty(device="cpu")
+    set_random_grads(bare.parameters(), 0)
+    with pytest.raises(ValueError, match="'weight' is still on the meta device.*Build the optimizer after"):
+        opt.step()
