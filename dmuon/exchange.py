@@ -13,8 +13,12 @@ it in), and they would fail with "Numpy is not available" on a plain install.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import math
 import pickle
+import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +36,46 @@ if dist.is_available():
     # the process ("terminate called without an active exception"). Imported here, with dmuon
     # and so usually before any process group exists, the defaults hold None.
     import torch.distributed.nn  # noqa: F401
+
+
+# How long the interpreter waits at exit, GIL released, once this process ran a collective of
+# dmuon's. A collective's worker thread (gloo's) releases the tensors of a finished collective
+# after the caller has moved on; where it holds the last reference it needs the GIL to free
+# them, and if the interpreter is shutting down by then the process aborts ("terminate called
+# without an active exception": seen in a core dump as ~AsyncAlltoallWork in
+# ProcessGroupGloo::runLoop waiting in take_gil during Py_FinalizeEx). A process group that
+# outlives the script (held by torch.distributed.nn when it was first imported after
+# init_process_group, as torch.optim does) keeps that thread alive until then.
+EXIT_GRACE_SECONDS = 0.1
+
+
+@functools.cache
+def _grace_at_exit() -> None:
+    """Once per process: let collective threads take the GIL and finish before the interpreter
+    shuts down (an ``atexit`` handler runs before finalization)."""
+    atexit.register(time.sleep, EXIT_GRACE_SECONDS)
+
+
+class GroupRef:
+    """A process group held weakly: ``ref()`` is the group (None for no group). An optimizer's
+    plans and an owner sharding keep their process groups so, since a group that something
+    still holds when ``destroy_process_group()`` runs is not freed, and its gloo threads then
+    live on until the interpreter exits, where one of them can abort the process ("terminate
+    called without an active exception")."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self._ref = None if group is None else weakref.ref(group)
+
+    def __call__(self) -> dist.ProcessGroup | None:
+        if self._ref is None:
+            return None
+        group = self._ref()
+        if group is None:
+            raise RuntimeError("The process group dmuon was built on has been destroyed (destroy_process_group): "
+                               "build the optimizer (or the owner sharding) again on the new process group.")
+        return group
 
 
 @dataclass
@@ -89,6 +133,7 @@ def start_all_to_all(
     output = torch.empty(sum(recv_splits), dtype=dtype, device=send.device)
     counter.bytes_sent += (sum(send_splits) - send_splits[my_position]) * send.element_size()
     counter.collectives += 1
+    _grace_at_exit()
     work = dist.all_to_all_single(
         output, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
         group=group, async_op=True,
@@ -164,6 +209,8 @@ def start_reduce(values: Tensor, dst: int, group: dist.ProcessGroup, counter: Co
 
 
 def _count(counter: CommCounter | None, nbytes: int) -> None:
+    """Count one collective (every one of dmuon's goes through here or start_all_to_all)."""
+    _grace_at_exit()
     if counter is not None:
         counter.bytes_sent += nbytes
         counter.collectives += 1
@@ -229,6 +276,7 @@ def gather_whole(local: Tensor, mesh, placements, shape: torch.Size, stride: tup
     fallback's one collective per matrix, counted by its caller)."""
     from torch.distributed.tensor import DTensor
 
+    _grace_at_exit()
     return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride).full_tensor()
 
 

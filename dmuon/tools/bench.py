@@ -102,6 +102,7 @@ SPREAD_LIMIT = 1.3
 
 # --comm-dtype: dmuon.Muon's comm_dtype
 COMM_DTYPES = {"exact": None, "bf16": torch.bfloat16}
+MAX_RANKS_PER_CORE = 4  # --device cpu spawns its ranks on this machine
 
 # The clock of the timed rounds; a test replaces it with a fake one.
 clock = time.perf_counter
@@ -675,6 +676,10 @@ def check_arguments(args: argparse.Namespace) -> None:
                   "Muon's bf16 Newton-Schulz would take minutes per step on the bench preset; --preset bench "
                   "forces it", file=sys.stderr)
     check_seq_len(args.seq_len, args.preset, PRESETS[args.preset].max_seq_len)
+    most = MAX_RANKS_PER_CORE * (os.cpu_count() or 1)
+    if args.device == "cpu" and args.world_size > most:
+        raise UsageError("--world-size", f"invalid value {args.world_size}: at most {most} here ({MAX_RANKS_PER_CORE} "
+                                         "per CPU core; each rank is a process of its own with a copy of the model)")
     if args.device == "cuda":
         visible = torch.cuda.device_count()
         if not visible:

@@ -115,10 +115,20 @@ def name_list(valid: Iterable[str]) -> Callable[[str], list[str]]:
 
 
 def output_path(text: str) -> str:
-    """``type=`` of a file to write at the end of a run: its folder must exist now."""
+    """``type=`` of a file to write at the end of a run: its folder must exist now, and the file
+    must be writable there (tried now, by opening it to append: a run must not end in a path it
+    cannot write; a file this creates is removed again)."""
     folder = os.path.dirname(text) or "."
     if not text or os.path.isdir(text) or not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"invalid path {text!r}: not a file in an existing folder")
+    existed = os.path.exists(text)
+    try:
+        with open(text, "a"):
+            pass
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"invalid path {text!r}: cannot be written ({err.strerror})") from None
+    if not existed:
+        os.remove(text)
     return text
 
 

@@ -106,7 +106,10 @@ def config_from_hf(raw: Mapping[str, object]) -> LlamaConfig:
     missing = [key for key in required if key not in raw]
     if missing:
         raise ValueError(f"config.json lacks {missing}; a Llama-style config needs {list(required)}")
-    heads = int(raw["num_attention_heads"])
+    heads, width = int(raw["num_attention_heads"]), int(raw["hidden_size"])
+    if heads < 1 or ("head_dim" not in raw and width % heads):
+        raise ValueError(f"num_attention_heads ({heads}) must divide hidden_size ({width}) when the config gives "
+                         "no head_dim")
     return LlamaConfig(
         vocab_size=int(raw["vocab_size"]),
         dim=int(raw["hidden_size"]),

@@ -81,6 +81,10 @@ BAD_INPUTS = [
     (["plan", "--world-size", "4", "--tokens-per-step", "2"], "--tokens-per-step", "2"),
     (["plan", "--model", "llama-3.1-8b", "--hardware", "cpu"], "--hardware", "--layers"),  # too big to time
     (["plan", "--json", "no-such-folder/plan.json"], "--json", "no-such-folder"),
+    (["plan", "--json", "/proc/dmuon-plan.json"], "--json", "cannot be written"),  # refused before the run
+    (["bench", "--json", "/proc/dmuon-bench.json"], "--json", "cannot be written"),
+    (["plan", "--world-size", "1000000"], "--world-size", "at most 65536"),  # would take ~9 GB
+    (["bench", "--world-size", "100000"], "--world-size", "per CPU core"),
     (["demo", "--steps", "0"], "--steps", "0"),
     (["demo", "--batch-size", "0"], "--batch-size", "0"),
     (["demo", "--seq-len", "0"], "--seq-len", "0"),
@@ -95,7 +99,11 @@ def test_bad_input_is_one_clear_error(argv, option, detail, capsys):
     assert f"argument {option}: " in last and detail in last
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"hidden_size": 64}), json.dumps([1, 2])])
+@pytest.mark.parametrize("content", [
+    "{not json", json.dumps({"hidden_size": 64}), json.dumps([1, 2]),
+    json.dumps({"hidden_size": 100, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 3,
+                "vocab_size": 1000}),  # 3 heads do not divide a width of 100, and no head_dim is given
+])
 def test_unreadable_config_json_is_one_clear_error(tmp_path, capsys, content):
     path = tmp_path / "config.json"
     path.write_text(content)
