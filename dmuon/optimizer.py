@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -17,7 +16,7 @@ from dmuon import param_groups
 from dmuon.agreement import Fingerprint, agree_on_step, agreed_call, digest_words, issued_number, record_number
 from dmuon.elementwise import adamw_steps, update_momentum_of
 from dmuon.engine import StepStats
-from dmuon.exchange import collective_device, job_group
+from dmuon.exchange import GroupRef, collective_device, job_group
 from dmuon.hyperparameters import EngineOptions, validate_defaults
 from dmuon.layout import owned_by, owner_shardings
 from dmuon.orthogonalization import NORMALIZATION_EPS
@@ -95,7 +94,8 @@ class Muon(torch.optim.Optimizer):
         compile: bool | str | Callable = False,
         cuda_graphs: bool = False,
     ) -> None:
-        self._process_group = process_group  # first: a failure below is shared with the other ranks
+        # first: a failure below is shared with the other ranks; held weakly, like every group dmuon keeps
+        self._process_group = GroupRef(process_group)
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
             eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
@@ -152,7 +152,7 @@ class Muon(torch.optim.Optimizer):
     def _make_engine(self) -> None:
         """The compiled kernels, the engine and its planner, from the options (again after a
         deep copy or unpickling)."""
-        self._kernels, self._engine, self._planner = build_engine(self._options, self._process_group,
+        self._kernels, self._engine, self._planner = build_engine(self._options, self._process_group(),
                                                                   self._symmetric_by_shape)
         self._plan: StepPlan | None = None
 
@@ -292,14 +292,6 @@ class Muon(torch.optim.Optimizer):
         self._model = lambda: None
         self._make_engine()
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Muon:
-        if self._process_group is not None:  # a process group is shared, not copied
-            memo[id(self._process_group)] = self._process_group
-        copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
-        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        return copied
-
     # ------------------------------------------------------------------ step
 
     # torch.compile(opt.step) would trace the collectives and the host decisions of a step;
@@ -370,4 +362,4 @@ class Muon(torch.optim.Optimizer):
         return collective_device(getattr(self, "param_groups", ()), self._agreement_group())
 
     def _agreement_group(self) -> dist.ProcessGroup | None:
-        return job_group(self._process_group)
+        return job_group(self._process_group())

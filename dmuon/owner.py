@@ -55,23 +55,37 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dmuon.agreement import agreed_call
-from dmuon.exchange import CommCounter, default_device, start_all_reduce_sum, start_broadcast, start_reduce
+from dmuon.exchange import (
+    CommCounter, GroupRef, default_device, start_all_reduce_sum, start_broadcast, start_reduce,
+)
 from dmuon.layout import OwnedParam, mark_owned
 from dmuon.orthogonalization import newton_schulz_flops, resolve_config
 from dmuon.planner import plan_ownership
 from dmuon.routing import default_route, matrix_shape, module_roles
 
 
-@dataclass(frozen=True)
 class Groups:
-    """The process groups owner sharding runs on. ``shard``: the ranks among which each matrix has
-    one owner (None: a single rank); ``replica``: with HSDP, this rank's replica group — the
-    ranks at the same shard position in each replica (None without replicas); ``everyone``: all
-    of them (replicated parameters and the initial sync)."""
+    """The process groups owner sharding runs on, held weakly (:class:`dmuon.exchange.GroupRef`:
+    the model holds its sharding, and must not keep the groups alive). ``shard``: the ranks
+    among which each matrix has one owner (None: a single rank); ``replica``: with HSDP, this
+    rank's replica group — the ranks at the same shard position in each replica (None without
+    replicas); ``everyone``: all of them (replicated parameters and the initial sync)."""
 
-    shard: dist.ProcessGroup | None
-    replica: dist.ProcessGroup | None = None
-    everyone: dist.ProcessGroup | None = None
+    def __init__(self, shard: dist.ProcessGroup | None, replica: dist.ProcessGroup | None = None,
+                 everyone: dist.ProcessGroup | None = None) -> None:
+        self._refs = GroupRef(shard), GroupRef(replica), GroupRef(everyone)
+
+    @property
+    def shard(self) -> dist.ProcessGroup | None:
+        return self._refs[0]()
+
+    @property
+    def replica(self) -> dist.ProcessGroup | None:
+        return self._refs[1]()
+
+    @property
+    def everyone(self) -> dist.ProcessGroup | None:
+        return self._refs[2]()
 
     @property
     def replicas(self) -> int:
@@ -145,7 +159,6 @@ class OwnerSharding:
     ) -> None:
         self.model = model
         self.groups = groups
-        self.group = groups.shard
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.reshard_after_forward = reshard_after_forward
@@ -180,6 +193,11 @@ class OwnerSharding:
             mark_owned(p, OwnedParam(self._owner_of[id(p)], self))
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The shard group: each matrix has one owner among its ranks."""
+        return self.groups.shard
 
     def is_mine(self, param: Tensor) -> bool:
         """Whether this rank steps ``param`` (and keeps its optimizer state)."""

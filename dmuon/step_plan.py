@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from dmuon.cuda_graphs import GraphedOrthogonalize
 from dmuon.elementwise import CompiledKernels, apply_updates_all, compile_kernels, local, nesterov_inputs_all, scalar
 from dmuon.engine import Block, MatrixWork, Orthogonalizer, PreparedStep, unit_of
-from dmuon.exchange import gather_whole
+from dmuon.exchange import GroupRef, gather_whole
 from dmuon.hyperparameters import EngineOptions, adjusted_lr_ratio, ns_config
 from dmuon.layout import detect_layout, owned_by, piece_of
 from dmuon.orthogonalization import gram_all_reduces, newton_schulz_flops, orthogonalize
@@ -113,7 +113,7 @@ class StepPlanner:
     def __init__(self, engine: Orthogonalizer, process_group: dist.ProcessGroup | None, replica_split: bool | None,
                  distributed_ns: bool | None, symmetric_products: str, measured: dict[tuple[int, int], str]) -> None:
         self.engine = engine
-        self.process_group = process_group
+        self._process_group = GroupRef(process_group)
         self.replica_split = replica_split
         self.distributed_ns = distributed_ns
         self.symmetric_products = symmetric_products
@@ -216,7 +216,7 @@ class StepPlanner:
         ``column_blocks`` (where the layout allows it) it runs distributed NS on column blocks."""
         name, p, group, view = entry
         stack = p.ndim == 3 and view in ("auto", "batch")
-        layout, process_group = detect_layout(p, name, self.process_group, split_replicas=split_replicas, stack=stack)
+        layout, process_group = detect_layout(p, name, self._process_group(), split_replicas=split_replicas, stack=stack)
         # what NS sees: a local stack's own matrices, or for Shard(1) the transpose
         count, m, n = matrix_shape(layout.shape, view)
         _, rows_of_p, cols_of_p = matrix_shape(p.shape, view)
@@ -245,7 +245,7 @@ class StepPlanner:
             whole = partial(gather_whole, mesh=p.device_mesh, placements=p.placements, shape=p.shape, stride=p.stride())
             part = partial(piece_of, mesh=p.device_mesh, placements=p.placements)
         local_shape = tuple(piece.mT.shape if transpose else piece.shape)
-        return MatrixWork(name, local_shape, piece.dtype, layout, process_group, count, m, n, config, blocks,
+        return MatrixWork(name, local_shape, piece.dtype, layout, GroupRef(process_group), count, m, n, config, blocks,
                           whole, part, column_blocks)
 
 

@@ -8,7 +8,11 @@ that touch ``torch.distributed`` need its process group.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -171,6 +175,20 @@ def dcp_load(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+# ---------------------------------------------------------------- child interpreters
+
+
+def run_child_script(folder: Path, name: str, text: str, *arguments: str) -> subprocess.CompletedProcess:
+    """``text`` run as script ``name`` (written into ``folder``) in a child interpreter that
+    imports this checkout's dmuon, with ``arguments``."""
+    script = folder / name
+    script.write_text(text)
+    root = Path(dmuon.__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, str(script), *arguments], env=env, cwd=folder,
+                          capture_output=True, text=True, timeout=240)
 
 
 # ---------------------------------------------------------------- errors

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.exchange import CommCounter
+from dmuon.exchange import CommCounter, GroupRef
 from dmuon.layout import Layout
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops
 from dmuon.planner import Unit
@@ -49,7 +49,7 @@ class MatrixWork:
     local_shape: tuple[int, ...]
     dtype: torch.dtype
     layout: Layout
-    group: dist.ProcessGroup | None
+    group_ref: GroupRef  # the exchange group (held weakly)
     count: int
     m: int
     n: int
@@ -64,6 +64,11 @@ class MatrixWork:
     column_blocks: bool = False
     # split over a gang of positions of the exchange group (planner.choose_gangs); empty: not
     gang: tuple[int, ...] = ()
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group of the exchange, None in one process."""
+        return self.group_ref()
 
     @cached_property  # a frozen dataclass's cache: written to the instance's __dict__ directly
     def pieces(self) -> list[tuple[int, NSConfig]]:

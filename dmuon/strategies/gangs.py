@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.exchange import all_reduce_sum, new_subgroup, start_all_to_all
+from dmuon.exchange import GroupRef, all_reduce_sum, new_subgroup, start_all_to_all
 from dmuon.layout import chunk_sizes
 from dmuon.orthogonalization import newton_schulz_flops, orthogonalize_column_blocks
 from dmuon.strategies.base import Context, MatrixWork, StepIO, Timed
@@ -95,7 +95,7 @@ class Gangs:
         self.indices, self.works, self.device = list(indices), list(works), device
         self.me = works[0].layout.group_ranks.index(dist.get_rank())
         self.slices = [GangSlices(w) for w in works]
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._groups: dict[tuple[int, ...], GroupRef] = {}
 
     def run(self, io: StepIO, ctx: Context) -> None:
         blocks = self._gather_slices(io, ctx)
@@ -174,5 +174,5 @@ class Gangs:
         if len(ranks) == work.layout.size:
             return work.group
         if ranks not in self._groups:
-            self._groups[ranks] = new_subgroup(ranks)
-        return self._groups[ranks]
+            self._groups[ranks] = GroupRef(new_subgroup(ranks))  # torch.distributed's registry holds it
+        return self._groups[ranks]()

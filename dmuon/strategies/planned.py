@@ -69,10 +69,13 @@ class PlannedExchange:
         self.indices = list(indices)  # into the step plan's works
         self.works = list(works)
         self.plan = plan
-        self.group = works[0].group
         self.device = device  # of an empty send buffer (NCCL takes only device tensors), and of index tensors
         self.me = works[0].layout.group_ranks.index(dist.get_rank()) if self.group is not None else 0
         self.buckets = [self._bucket(k) for k in range(len(plan.buckets))]
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self.works[0].group
 
     def _bucket(self, k: int) -> _Bucket:
         plan, me = self.plan, self.me

@@ -10,15 +10,10 @@ collectives raise "Numpy is not available", and dmuon must not use them.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-import dmuon
-
-_ROOT = Path(dmuon.__file__).resolve().parent.parent
+from tests.helpers import run_child_script
 
 _SCRIPT = textwrap.dedent('''
     import sys
@@ -87,17 +82,8 @@ _SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run_script(tmp_path: Path, name: str, text: str, argument: str) -> subprocess.CompletedProcess:
-    """``text`` run as script ``name`` in a child interpreter that imports this checkout's dmuon."""
-    script = tmp_path / name
-    script.write_text(text)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(script), argument], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240)
-
-
 def test_multi_rank_muon_without_numpy(tmp_path: Path) -> None:
-    done = _run_script(tmp_path, "no_numpy_ranks.py", _SCRIPT, str(tmp_path))
+    done = run_child_script(tmp_path, "no_numpy_ranks.py", _SCRIPT, str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, result in enumerate(results):
@@ -110,52 +96,3 @@ def test_multi_rank_muon_without_numpy(tmp_path: Path) -> None:
         assert result["mismatch"].startswith("Ranks disagree on the optimizer configuration: "), result["mismatch"]
         assert "on rank 0 but" in result["mismatch"] and "on rank 1." in result["mismatch"]
     assert results[0]["mismatch"] == results[1]["mismatch"]  # the same verdict on every rank
-
-
-_TEARDOWN_SCRIPT = textwrap.dedent('''
-    import gc
-    import json
-    import os
-    import sys
-
-    import torch
-    import torch.distributed as dist
-
-    import dmuon  # before init_process_group, as a training script imports it
-
-    torch.set_num_threads(1)  # no intra-op pool joins the thread count below
-    torch.ones(4, 4) @ torch.ones(4, 4)
-
-
-    def threads():
-        return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
-
-
-    before_init = threads()
-    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-    world = dist.group.WORLD
-    references = sys.getrefcount(world)
-    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    opt = dmuon.Muon(net, lr=0.02)  # the process's first optimizer: torch.optim imports torch._dynamo here
-    net(torch.randn(8, 16)).square().mean().backward()
-    opt.step()
-    del opt
-    gc.collect()
-    left = sys.getrefcount(world) - references
-    del world
-    dist.destroy_process_group()
-    gc.collect()
-    print(json.dumps({"references_left": left, "threads_before_init": before_init, "threads_after_destroy": threads()}))
-''')
-
-
-def test_destroy_process_group_stops_gloo_after_an_optimizer(tmp_path: Path) -> None:
-    """Once the optimizer is gone, nothing pins the default group (not dmuon, nor the modules
-    torch.optim imports with the first optimizer), so destroy_process_group frees it and gloo's
-    threads stop before the interpreter exits: a gloo thread still alive then, releasing a
-    finished collective's tensors, aborts the process."""
-    done = _run_script(tmp_path, "teardown.py", _TEARDOWN_SCRIPT, str(tmp_path / "init"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["references_left"] == 0
-    assert result["threads_after_destroy"] == result["threads_before_init"]
