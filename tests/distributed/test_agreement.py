@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import dmuon
@@ -383,3 +384,37 @@ def test_an_adamw_parameter_without_a_gradient_on_one_rank_is_left_alone_everywh
     for r in results:
         assert all(torch.equal(v, results[0]["params"][n]) for n, v in r["params"].items())
         assert r["warned"] == (r is results[0]) and not r["state"]
+
+
+# ---------------------------------------------------------------- a model built on the meta device
+
+
+def built_on_meta(shard: bool) -> dict:
+    """The usual way to build a large model: on the meta device, FSDP2 applied there, the
+    optimizer built, then ``to_empty`` and initialization (here: the same values everywhere)."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    if shard:
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    opt = dmuon.Muon(model, lr=0.02)  # no collective may run on meta tensors
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(distribute_tensor(torch.randn(p.shape), p.device_mesh, p.placements) if shard else
+                    torch.randn(p.shape))
+    for step in range(2):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: (p.full_tensor() if shard else p.detach()).clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_an_optimizer_built_on_the_meta_device_steps_after_to_empty(shard):
+    results = run_on_ranks(2, built_on_meta, shard)
+    moved = {n: not torch.equal(v, results[0][n]) for n, v in results[1].items()}
+    assert not any(moved.values()), moved  # the replicas agree
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in [(16, 8), (16,), (8, 16), (8,)]]
+    assert all(not torch.equal(v, i) for v, i in zip(results[0].values(), init))  # and every parameter trained
