@@ -66,9 +66,12 @@ def make_model(blocks: int) -> nn.Module:
 def optimizers(model: nn.Module) -> dict[str, Callable[[], torch.optim.Optimizer]]:
     matrices = [p for p in model.parameters() if p.ndim == 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
+    # named: unnamed FSDP2 shards of one shape could not be matched across ranks
+    named_matrices = [(n, p) for n, p in model.named_parameters() if p.ndim == 2]
+    named_rest = [(n, p) for n, p in model.named_parameters() if p.ndim < 2]
 
     def dmuon_muon(**options) -> dmuon.Muon:
-        return dmuon.Muon([{"params": matrices, "algorithm": "muon"}, {"params": rest, "algorithm": "adamw"}],
+        return dmuon.Muon([{"params": named_matrices, "algorithm": "muon"}, {"params": named_rest, "algorithm": "adamw"}],
                           lr=1e-3, **options)
 
     return {

@@ -247,6 +247,7 @@ def fingerprint(groups: Sequence[dict[str, Any]], options: str, nonfinite_grads:
         digests = [d for _, _, d in matches]
         if len(matches) > 1 and (None in digests or len(set(digests)) < len(digests)):
             labels = [label for label, _, _ in matches]
+            labels = labels if len(labels) <= 4 else [*labels[:3], f"{len(labels) - 3} more"]
             why = ("are DTensors or meta tensors" if None in digests else "hold identical values")
             raise ValueError(
                 f"Muon parameters {labels} are unnamed, of the same shape {shape}, and {why}: dmuon cannot check "
