@@ -9,6 +9,7 @@ that touch ``torch.distributed`` need its process group.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -192,6 +193,12 @@ def run_child_script(folder: Path, name: str, text: str, *arguments: str) -> sub
 
 
 # ---------------------------------------------------------------- errors
+
+
+def assert_same_error(errors: list[str | None], pattern: str) -> None:
+    """Every rank raised, the same error (as :func:`error_of` gives it), matching ``pattern``."""
+    assert errors[0] is not None and len(set(errors)) == 1, errors
+    assert re.match(pattern, errors[0]), errors[0]
 
 
 def error_of(fn, *args) -> str | None:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import dmuon
 from tests.harness import run_on_ranks
-from tests.helpers import error_of
+from tests.helpers import assert_same_error, error_of
 
 SHAPES = [(8, 4), (6, 6)]
 
@@ -115,9 +115,7 @@ def sparse_gradient_on_rank_1() -> None:
      r"RuntimeError: Ranks are in different optimizer calls: some called load_state_dict, others step"),
 ])
 def test_every_rank_raises_the_same_error(fn, expected):
-    errors = run_on_ranks(2, error_of, fn)
-    assert errors[0] is not None and errors[0] == errors[1], errors
-    assert re.match(expected, errors[0]), errors[0]
+    assert_same_error(run_on_ranks(2, error_of, fn), expected)
 
 
 @pytest.mark.parametrize("fn,expected", [
@@ -204,9 +202,7 @@ def stepping_another_copy() -> None:
     (stepping_another_copy, r"ValueError: Ranks disagree .*number of steps taken is 2 on rank 0 but 1 on rank 1"),
 ])
 def test_parameters_that_cannot_be_matched_are_refused_on_every_rank(fn, expected):
-    errors = run_on_ranks(2, error_of, fn)
-    assert errors[0] is not None and errors[0] == errors[1], errors
-    assert re.match(expected, errors[0]), errors[0]
+    assert_same_error(run_on_ranks(2, error_of, fn), expected)
 
 
 # ---------------------------------------------------------------- settings changed after construction

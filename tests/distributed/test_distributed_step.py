@@ -7,7 +7,6 @@ shard of the parameters and momentum with the reference's rows."""
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from dmuon.reference import ReferenceMuon
 from tests.harness import WORLD_SIZES, run_on_ranks
 from tests.helpers import (
     as_layout,
+    assert_same_error,
     dcp_load,
     dcp_save,
     error_of,
@@ -200,10 +200,9 @@ def adamw_group_empty_on_some_ranks() -> None:
 
 
 def test_adamw_group_empty_on_some_ranks_is_refused_on_every_rank():
-    errors = run_on_ranks(3, error_of, adamw_group_empty_on_some_ranks)
-    assert len(set(errors)) == 1 and errors[0] is not None
-    assert re.match(r"ValueError: Ranks disagree .*param group 1's parameter 0 is unnamed \(3,\) float32 for adamw "
-                    r"on rank 0 but missing on rank 1", errors[0]), errors[0]
+    assert_same_error(run_on_ranks(3, error_of, adamw_group_empty_on_some_ranks),
+                      r"ValueError: Ranks disagree .*param group 1's parameter 0 is unnamed \(3,\) float32 for adamw "
+                      r"on rank 0 but missing on rank 1")
 
 
 def divergent_lr() -> None:
@@ -230,9 +229,7 @@ def partial_layout() -> None:
     (partial_layout, r"NotImplementedError: .*'group0.param0'.*Partial"),
 ])
 def test_bad_setups_raise_the_same_error_on_every_rank(fn, expected):
-    errors = run_on_ranks(2, error_of, fn)
-    assert errors[0] is not None and errors[0] == errors[1]
-    assert re.match(expected, errors[0]), errors[0]
+    assert_same_error(run_on_ranks(2, error_of, fn), expected)
 
 
 def step_statistics(layout: str) -> dict:
