@@ -124,8 +124,8 @@ def agree(
     ``fingerprint`` describes what the call depends on (ordered (key, value) pairs, or a
     function that lists them, called only when needed); only its digest travels unless ranks
     differ. A caller that has the digest already passes ``words``. ``error`` is this rank's own
-    failure, if any: every other rank then raises a ValueError carrying its message (and this
-    rank re-raises it). ``number``, ``nonfinite`` (a bool tensor on ``device``, read with the
+    failure, if any: every other rank then raises an error of its type (a built-in one's, else
+    RuntimeError) carrying its message, and this rank re-raises it. ``number``, ``nonfinite`` (a bool tensor on ``device``, read with the
     rest: no extra host sync) and ``missing`` are the construction's and the step's extra fields.
     Raises the same error on every rank when the ranks are in different calls, hold different
     configurations, or one of them failed.

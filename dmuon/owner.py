@@ -482,8 +482,7 @@ class OwnerSharding:
             for _, p in layer.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     lambda param, i=index: self._gradient_ready(i, param)))
-                if p.requires_grad:
-                    self._handles.append(p.register_hook(partial(self._before_accumulation, p)))
+                self._handles.append(p.register_hook(partial(self._before_accumulation, p)))
         for p in self._rest:
             self._handles.append(p.register_post_accumulate_grad_hook(self._rest_gradient_ready))
         holding_modules = {id(m): m for m in self.model.modules()

@@ -378,9 +378,3 @@ def _check_state_tensor(value: Any, key: str, param: Tensor, name: str) -> None:
                          f"{layout(param)}: the state dict was saved in another layout (FSDP2 and DDP or one "
                          "process, say). Load it through torch.distributed.checkpoint (get_optimizer_state_dict/"
                          "set_optimizer_state_dict), which reshards.")
-
-
-def loaded_groups(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The groups ``state_dict`` would give: its saved options with the current parameters (and names)."""
-    return [{**saved, "params": mine["params"], **({"param_names": mine["param_names"]} if "param_names" in mine else {})}
-            for saved, mine in zip(state_dict["param_groups"], groups)]
