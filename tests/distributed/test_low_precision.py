@@ -24,6 +24,8 @@ from tests.helpers import full_tensor, full_tensors
 SHAPES = [(64, 32), (32, 96), (48, 48), (7, 5), (3, 16)]  # tall, wide, square, odd, fewer rows than ranks
 GANG_SHAPES = [(48, 400), (8, 8), (12, 8)]  # one matrix large enough to be split over a gang
 STACK = [(6, 8, 12), (16, 24)]  # experts, and a plain matrix
+FUSED = [(48, 32), (64, 24), (2, 12, 20)]  # a GQA-style QKV, per-head blocks, a gate/up stack
+BLOCKS = [[32, 8, 8], 16, [6, 6]]  # their row blocks (ns_blocks), orthogonalized separately
 HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.9)  # Newton–Schulz in its default dtype (bf16 on CPU)
 
 # layout → (mesh shape from the world size, placements, Muon options, shapes)
@@ -36,6 +38,7 @@ LAYOUTS = {
     "2-d blocks": (lambda w: (2, w // 2), [Shard(0), Shard(1)], {}, SHAPES),
     "expert stacks": (lambda w: (w,), [Shard(0)], {}, STACK),
     "column blocks": (lambda w: (w,), [Shard(0)], {"distributed_ns": True}, SHAPES),
+    "fsdp, fused blocks": (lambda w: (w,), [Shard(0)], {}, FUSED),
     "ddp, gangs": (None, None, {}, GANG_SHAPES),
     "fsdp, gangs": (lambda w: (w,), [Shard(0)], {}, GANG_SHAPES),
 }
@@ -58,8 +61,14 @@ def low_precision_steps(layout: str, dtype: torch.dtype, steps: int = 2) -> dict
     params = [nn.Parameter(place(t, i)) for i, t in enumerate(init)]
     ref_params = [nn.Parameter(t.clone()) for t in init]
     names = [f"w{i}" for i in range(len(params))]
-    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}], **HPARAMS, **options)
-    ref = ReferenceMuon(ref_params, **HPARAMS)
+    if shapes is FUSED:  # one group per weight, each with its row blocks
+        opt = dmuon.Muon([{"params": [p], "algorithm": "muon", "param_names": [n], "ns_blocks": blocks}
+                          for p, n, blocks in zip(params, names, BLOCKS)], **HPARAMS, **options)
+        ref = ReferenceMuon([{"params": [r], "ns_blocks": blocks} for r, blocks in zip(ref_params, BLOCKS)],
+                            **HPARAMS)
+    else:
+        opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}], **HPARAMS, **options)
+        ref = ReferenceMuon(ref_params, **HPARAMS)
     for step in range(steps):
         grads = [g.to(dtype) for g in full_tensors(shapes, 100 + step)]
         for i, (p, r, g) in enumerate(zip(params, ref_params, grads)):

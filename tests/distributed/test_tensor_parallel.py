@@ -40,10 +40,11 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 24, generator=g)
 
 
-def build(parallel: str | None, **options) -> tuple[nn.Module, dmuon.Muon, int, int]:
-    """The MLP under ``parallel`` ("tp": 1-D TP mesh; "fsdp+tp": 2×2 (dp, tp) mesh; None: one
-    process), its optimizer, and this rank's data-parallel index and count."""
-    model = MLP()
+def build(parallel: str | None, dtype: torch.dtype = torch.float32, **options) -> tuple[nn.Module, dmuon.Muon, int, int]:
+    """The MLP (its parameters in ``dtype``) under ``parallel`` ("tp": 1-D TP mesh; "fsdp+tp":
+    2×2 (dp, tp) mesh; None: one process), its optimizer, and this rank's data-parallel index
+    and count."""
+    model = MLP().to(dtype)
     dp_rank, dp_size = 0, 1
     if parallel == "tp":
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
@@ -59,12 +60,12 @@ def build(parallel: str | None, **options) -> tuple[nn.Module, dmuon.Muon, int, 
     return model, dmuon.Muon(model, **HPARAMS, **options), dp_rank, dp_size
 
 
-def train(parallel: str | None, **options) -> dict:
-    model, opt, dp_rank, dp_size = build(parallel, **options)
+def train(parallel: str | None, dtype: torch.dtype = torch.float32, **options) -> dict:
+    model, opt, dp_rank, dp_size = build(parallel, dtype, **options)
     placements_before = {n: tuple(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
     losses = []
     for step in range(STEPS):
-        x, y = (t.chunk(dp_size)[dp_rank] for t in batch(step))
+        x, y = (t.chunk(dp_size)[dp_rank].to(dtype) for t in batch(step))
         opt.zero_grad()
         loss = F.mse_loss(model(x), y)
         loss.backward()
@@ -92,6 +93,20 @@ def test_tensor_parallel_matches_single_process(reference, parallel, world):
     if parallel == "tp":  # the same data everywhere: the same loss
         torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(reference["losses"]))
     assert sum(r["matrices"] for r in results) == 2  # each logical matrix once in the job
+
+
+@pytest.mark.parametrize("parallel,world", [("tp", 2), ("fsdp+tp", 4)])
+def test_bf16_parameters_under_tensor_parallel_stay_identical_across_ranks(parallel, world):
+    """bf16 weights: every rank's full view of every parameter is bitwise the same (the TP
+    shards are put together from the same updates; under FSDP + TP the two data-parallel
+    replicas of each TP shard agree), and close to one process (bf16 rounding; TP splits the
+    forward's sums)."""
+    reference = single_process(train, None, torch.bfloat16)
+    results = run_on_ranks(world, train, parallel, torch.bfloat16)
+    for rank, r in enumerate(results):
+        for name, value in r["params"].items():
+            assert value.dtype == torch.bfloat16 and torch.equal(value, results[0]["params"][name]), (rank, name)
+            torch.testing.assert_close(value, reference["params"][name], rtol=3e-2, atol=3e-2, msg=name)
 
 
 def save_and_load_tp(path: str) -> dict:
