@@ -75,7 +75,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from dmuon.orthogonalization import NAMED_COEFFICIENTS, orthogonalize, orthogonalize_column_blocks
+from dmuon.orthogonalization import NAMED_COEFFICIENTS, native_bf16, orthogonalize, orthogonalize_column_blocks
 from dmuon.owner import OwnerSharding, shard_by_owner
 from dmuon.tools.cli import (
     UsageError, check_plot, check_seq_len, name_list, non_negative_float, non_negative_int, output_path, positive_float,
@@ -688,16 +688,6 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise UsageError("--world-size", f"invalid value {args.world_size}: --device cuda runs one rank per "
                                              f"GPU, and {visible} are visible")
     check_plot(args.plot)
-
-
-def native_bf16(device: str) -> bool:
-    """Whether bf16 products run natively on ``device``: CUDA, or a CPU with AVX512-BF16 or AMX.
-    Other CPUs emulate them (measured on an AVX2 AMD EPYC: 1.9 GFLOP/s in bf16, 21 in fp32), and
-    torch.optim.Muon always orthogonalizes in bf16."""
-    if device == "cuda":
-        return True
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -62,14 +62,17 @@ def test_bf16_wire_configuration_sends_half_the_bytes_of_the_exact_one(tmp_path)
 def test_throughput_tables_run_on_cpu():
     import torch
 
+    from dmuon.orthogonalization import default_dtype
     from dmuon.tools.throughput import ns_throughput, rank_share, symmetric_products_timing
 
     cpu = torch.device("cpu")
     rows = ns_throughput(cpu, [(16, 64)], batch=2, peak=1e9, repeats=1)
-    assert [(r.method, r.dtype) for r in rows] == [("standard", "bfloat16"), ("gram", "float32")]
+    standard = str(default_dtype("cpu", "standard")).removeprefix("torch.")  # the processor's default
+    assert [(r.method, r.dtype) for r in rows] == [("standard", standard), ("gram", "float32")]
     assert all(r.ms > 0 and r.tflops > 0 and r.fraction_of_peak > 0 for r in rows)
     share = rank_share("tiny", 4, cpu, peak=1e9, repeats=1)
-    assert share.matrices == 4 and share.ms > 0 and share.lower_bound_ms > 0  # 14 matrices over 4 ranks
+    # 14 matrices over 4 ranks: rank 0 gets a share (how many depends on the default dtype's method)
+    assert 0 < share.matrices < 14 and share.ms > 0 and share.lower_bound_ms > 0
     assert share.adamw_ms > 0
     assert symmetric_products_timing(cpu) == []  # no Triton on a CPU without its interpreter
 

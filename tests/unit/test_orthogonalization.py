@@ -229,12 +229,38 @@ def test_converges_to_polar_factor(method):
 
 # ---------------------------------------------------------------- method choice and cost
 
-def test_auto_method_choice():
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_method_choice(monkeypatch, native):
+    """The CPU default follows the processor: bf16 (never Gram) where its products are native,
+    fp32 (Gram for wide matrices) where they are emulated."""
+    import dmuon.orthogonalization as orthogonalization
+
+    monkeypatch.setattr(orthogonalization, "native_bf16", lambda device_type: device_type == "cuda" or native)
     assert choose_method((64, 64), "auto", F16, "cuda") == ("standard", F16)
     assert choose_method((64, 256), "auto", None, "cuda") == ("gram", F16)
     assert choose_method((256, 64), "auto", F32, "cpu") == ("gram", F32)
-    assert choose_method((64, 256), "auto", None, "cpu") == ("standard", BF16)  # bf16: never Gram
+    assert choose_method((64, 256), "auto", None, "cpu") == (("standard", BF16) if native else ("gram", F32))
+    assert choose_method((64, 64), "auto", None, "cpu") == ("standard", BF16 if native else F32)
     assert choose_method((64, 256), "gram", None, "cpu") == ("gram", F32)
+
+
+@pytest.mark.parametrize("value,native", [("native", True), ("emulated", False)])
+def test_the_cpu_detection_can_be_overridden(monkeypatch, value, native):
+    import dmuon.orthogonalization as orthogonalization
+
+    monkeypatch.setenv(orthogonalization.CPU_BF16_OVERRIDE, value)
+    orthogonalization._cpu_bf16_native.cache_clear()
+    try:
+        assert orthogonalization.native_bf16("cpu") == native
+        assert orthogonalization.default_dtype("cpu", "standard") == (BF16 if native else F32)
+        assert ("bfloat16" if native else "emulated") in orthogonalization.default_dtype_reason("cpu")
+        monkeypatch.setenv(orthogonalization.CPU_BF16_OVERRIDE, "yes")
+        orthogonalization._cpu_bf16_native.cache_clear()
+        with pytest.raises(ValueError, match="DMUON_CPU_BF16='yes'"):
+            orthogonalization.native_bf16("cpu")
+    finally:
+        monkeypatch.undo()
+        orthogonalization._cpu_bf16_native.cache_clear()
 
 
 def test_gram_rejects_bf16():
