@@ -80,7 +80,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
     config = get_config(args.preset)
     model = Llama(config, seed=0)
     wrapped, _ = wrap_model(model, args.parallel, world, torch.device("cpu"))
-    opt = dmuon.Muon(model, lr=1e-3, weight_decay=0.1, comm_dtype=COMM_DTYPES[args.comm_dtype])
+    opt = dmuon.Muon(model, lr=1e-3, weight_decay=0.1, comm_dtype=COMM_DTYPES[args.comm_dtype],
+                     early_start=False)  # every phase inside step()
     data = SyntheticTokens(config.vocab_size, seed=0)
     steps = []
     for step in range(WARMUP + args.steps):

@@ -44,8 +44,8 @@ Words = tuple[int, int, int]
 ENTRIES = ("construction", "add_param_group", "load_state_dict", "step", "shard_by_owner")
 _WORD_BITS = 21
 # the header's fields, by position
-_ENTRY, _DIGEST, _FAILED, _NUMBER, _NONFINITE, _MISSING = 0, 2, 8, 9, 10, 11
-HEADER_LEN = 17
+_ENTRY, _DIGEST, _FAILED, _NUMBER, _NONFINITE, _MISSING, _EARLY = 0, 2, 8, 9, 10, 11, 17
+HEADER_LEN = 18
 
 
 def digest_words(fingerprint: Fingerprint) -> Words:
@@ -95,6 +95,12 @@ class Agreed:
         return self.fields[_NONFINITE] > 0
 
     @property
+    def early(self) -> int:
+        """The highest early-start code of any rank (step): 0 use the early run's updates, 1 do not,
+        2 do not and turn early start off."""
+        return int(self.fields[_EARLY])
+
+    @property
     def missing_differs(self) -> bool:
         """The ranks lack gradients for different parameters (step)."""
         return _differs(self.fields, _MISSING, 3)
@@ -118,6 +124,7 @@ def agree(
     number: int = 0,
     nonfinite: Tensor | None = None,
     missing: Words = (0, 0, 0),
+    early: int = 0,
 ) -> Agreed:
     """Run the agreement of one collective call over ``group``.
 
@@ -125,8 +132,10 @@ def agree(
     function that lists them, called only when needed); only its digest travels unless ranks
     differ. A caller that has the digest already passes ``words``. ``error`` is this rank's own
     failure, if any: every other rank then raises an error of its type (a built-in one's, else
-    RuntimeError) carrying its message, and this rank re-raises it. ``number``, ``nonfinite`` (a bool tensor on ``device``, read with the
-    rest: no extra host sync) and ``missing`` are the construction's and the step's extra fields.
+    RuntimeError) carrying its message, and this rank re-raises it. ``number``, ``nonfinite`` (a
+    bool tensor on ``device``, read with the rest: no extra host sync), ``missing`` and ``early``
+    (this rank's early-start code, :attr:`Agreed.early`) are the construction's and the step's
+    extra fields.
     Raises the same error on every rank when the ranks are in different calls, hold different
     configurations, or one of them failed.
     """
@@ -134,7 +143,7 @@ def agree(
         words = digest_words(fingerprint() if callable(fingerprint) else fingerprint or ())
     code = ENTRIES.index(entry) + 1
     values = [code, -code, *_both_signs(words), dist.get_rank() + 1 if error is not None else 0, number, 0,
-              *_both_signs(missing)]
+              *_both_signs(missing), early]
     header = torch.tensor(values, dtype=torch.float32)
     if device.type == "cuda":  # from pinned memory the copy does not wait for the step's kernels
         header = header.pin_memory()
@@ -204,11 +213,13 @@ def record_number(group: dist.ProcessGroup, number: int) -> None:
 def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy: str,
                   group: dist.ProcessGroup | None, device: Callable[[], torch.device],
                   fingerprint: Callable[[], Fingerprint], counter: CommCounter, names: Callable[[], list[str]],
-                  ) -> tuple[list[Tensor], list[bool], set[int] | None]:
+                  early: Callable[[], int] = lambda: 0) -> tuple[list[Tensor], list[bool], set[int] | None, int]:
     """The agreement of a step. ``prepare`` is this rank's part before it (its checks of its
     settings and gradients); it returns every parameter of the optimizer, in group order, and
-    whether this rank steps each (owner sharding: only the owner does). Returns those, and which
-    parameters to leave alone, by position, or None to skip the whole step.
+    whether this rank steps each (owner sharding: only the owner does). ``early`` gives this
+    rank's early-start code after it (:attr:`Agreed.early`). Returns those, which parameters to
+    leave alone, by position, or None to skip the whole step, and the agreed early-start code
+    (at least 1 where ranks lack different gradients).
 
     Every rank takes the same decisions (or the collectives would not match): the step is
     skipped if any rank saw a non-finite gradient (``policy`` "skip"; "raise" raises on every
@@ -218,9 +229,10 @@ def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy
     host synchronization (on CUDA; none follows unless some rank flagged a gradient or ranks
     lack different gradients).
     """
-    error, params, here = None, [], []
+    error, params, here, code = None, [], [], 1
     try:
         params, here = prepare()
+        code = early()
     except Exception as err:  # noqa: BLE001 - shared with the other ranks below
         error = err
     checked = [i for i, p in enumerate(params) if here[i] and p.grad is not None]
@@ -237,12 +249,14 @@ def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy
     agreed = None
     if group is not None:
         agreed = agree("step", fingerprint, group, device(), error=error, counter=counter,
-                       nonfinite=suspect.any() if suspect is not None else None, missing=missing_words)
+                       nonfinite=suspect.any() if suspect is not None else None, missing=missing_words, early=code)
+        code = agreed.early
     if error is not None:
         raise error
     flagged = agreed.nonfinite if agreed is not None else suspect is not None and bool(suspect.any().item())
     left_alone = set(missing)
     if agreed is not None and agreed.missing_differs:
+        code = max(code, 1)
         flags = torch.tensor([float(i in left_alone) for i in range(len(params))], device=device())
         everywhere = all_reduce_max(flags, group, counter).tolist()
         left_alone = {i for i, f in enumerate(everywhere) if f > 0}
@@ -257,8 +271,8 @@ def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy
         if policy == "raise":
             raise FloatingPointError(f"Non-finite gradients in {where}.")
         warnings.warn(f"Muon skipped a step: non-finite gradients in {where}.", stacklevel=4)
-        return params, here, None
-    return params, here, left_alone
+        return params, here, None, code
+    return params, here, left_alone, code
 
 
 def _confirm_nonfinite(grads: Sequence[Tensor], suspect: Tensor | None, group: dist.ProcessGroup | None,

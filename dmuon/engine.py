@@ -45,8 +45,10 @@ class Orthogonalizer:
         comm_dtype: torch.dtype | None = None,
         flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE,
         orthogonalize_fn: Callable[[Tensor, NSConfig], Tensor] = orthogonalize,
+        ready_order: bool = False,
     ) -> None:
         self.bucket_bytes = bucket_bytes
+        self.ready_order = ready_order  # buckets in the backward pass's order (early start)
         self.flops_per_byte = flops_per_byte
         self.context = Context(orthogonalize_fn, comm_dtype)
 
@@ -80,7 +82,7 @@ class Orthogonalizer:
         units = [unit_of(w, self.wire_itemsize(w)) for w in works]
         layout = works[0].layout
         return make_plan(units, layout.size, layout.replicas, bucket_bytes=self.bucket_bytes,
-                         flops_per_byte=self.flops_per_byte)
+                         flops_per_byte=self.flops_per_byte, ready_order=self.ready_order)
 
     def prepare(self, works: Sequence[MatrixWork], device: torch.device) -> PreparedStep:
         """The strategies for ``works`` (indices into it are what a step's StepIO answers to)."""

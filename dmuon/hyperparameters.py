@@ -84,6 +84,7 @@ class EngineOptions:
     symmetric_products: str
     compile: bool | str | Callable
     cuda_graphs: bool
+    early_start: bool | None = None
 
     def validate(self) -> None:
         comm_dtype, bucket_bytes = self.comm_dtype, self.bucket_bytes
@@ -97,6 +98,8 @@ class EngineOptions:
         if self.symmetric_products not in (*SYMMETRIC_PRODUCTS, "auto"):
             raise ValueError(f"Invalid symmetric_products={self.symmetric_products!r}. "
                              f"Must be one of {(*SYMMETRIC_PRODUCTS, 'auto')}.")
+        if self.early_start not in (None, True, False):
+            raise ValueError(f"Invalid early_start={self.early_start!r}. Must be None (where supported), True or False.")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"Invalid cuda_graphs={self.cuda_graphs!r}. Must be a bool.")
         if not (isinstance(self.compile, (bool, str)) or callable(self.compile)):
@@ -107,7 +110,7 @@ class EngineOptions:
         """As the ranks compare it: a compile backend by its name, not its address."""
         backend = self.compile if isinstance(self.compile, (bool, str)) else getattr(self.compile, "__name__", "callable")
         return repr((self.comm_dtype, self.bucket_bytes, self.replica_split, self.distributed_ns,
-                     self.symmetric_products, backend, self.cuda_graphs))
+                     self.symmetric_products, backend, self.cuda_graphs, self.early_start))
 
 
 def adjusted_lr_ratio(adjust_lr_fn: str | None, m: int, n: int) -> float:

@@ -14,12 +14,13 @@ from torch import Tensor, nn
 
 from dmuon import param_groups
 from dmuon.agreement import Fingerprint, agree_on_step, agreed_call, digest_words, issued_number, record_number
+from dmuon.early_start import CHANGED, NOT_USED, USED, EarlyStart, wanted
 from dmuon.elementwise import adamw_steps, update_momentum_of
 from dmuon.engine import StepStats
 from dmuon.exchange import GroupRef, collective_device, job_group
 from dmuon.hyperparameters import EngineOptions, validate_defaults
 from dmuon.layout import owned_by, owner_shardings
-from dmuon.orthogonalization import NORMALIZATION_EPS
+from dmuon.orthogonalization import NORMALIZATION_EPS, default_dtype_reason
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
 from dmuon.routing import Route, module_roles
 from dmuon.statistics import step_statistics
@@ -93,6 +94,7 @@ class Muon(torch.optim.Optimizer):
         symmetric_products: str = "torch",
         compile: bool | str | Callable = False,
         cuda_graphs: bool = False,
+        early_start: bool | None = None,
     ) -> None:
         # first: a failure below is shared with the other ranks; held weakly, like every group dmuon keeps
         self._process_group = GroupRef(process_group)
@@ -103,7 +105,7 @@ class Muon(torch.optim.Optimizer):
             adamw_lr=adamw_lr, adamw_weight_decay=adamw_weight_decay, nonfinite_grads=nonfinite_grads,
         )
         options = EngineOptions(comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products, compile,
-                                cuda_graphs)
+                                cuda_graphs, early_start)
 
         def build() -> Fingerprint:
             self._build(params, defaults, options)
@@ -140,6 +142,7 @@ class Muon(torch.optim.Optimizer):
         self._number: int | None = None  # agreed after this
         self._update_squares: dict[str, list] = {}  # group label -> [sum of squares, elements], last step
         self._options = options
+        self._early = EarlyStart(options.early_start)
         self._symmetric_by_shape: dict[tuple[int, int], str] = {}  # "auto": measured at construction
         self._make_engine()
         super().__init__(params, defaults)
@@ -147,6 +150,7 @@ class Muon(torch.optim.Optimizer):
         blind = param_groups.shape_routing_warning(self.param_groups)
         if blind:
             warnings.warn(blind, stacklevel=5)  # _build <- build <- agreed_call <- __init__ <- the caller
+        self._order_buckets()
         self.plans  # detects every layout now: an unsupported one raises before any collective
 
     def _make_engine(self) -> None:
@@ -198,8 +202,15 @@ class Muon(torch.optim.Optimizer):
         return param_groups.routes(self.param_groups)
 
     def routing_summary(self) -> str:
-        """A table: every parameter, its shape, the algorithm, the matrices Muon sees, and why."""
-        return param_groups.routing_summary(self.param_groups)
+        """A table: every parameter, its shape, the algorithm, the matrices Muon sees, and why;
+        then what ``ns_dtype=None`` resolves to here, and why, where a group leaves it to dmuon."""
+        return "\n".join([param_groups.routing_summary(self.param_groups), *self._default_dtype_reasons()])
+
+    def _default_dtype_reasons(self) -> list[str]:
+        """One line per device type of the Muon parameters whose group has ``ns_dtype=None``."""
+        types = sorted({p.device.type for _, p, group, _ in param_groups.muon_entries(self.param_groups)
+                        if group["ns_dtype"] is None})
+        return [default_dtype_reason(t) for t in types]
 
     def __repr__(self) -> str:
         counts = {alg: sum(g["algorithms"].count(alg) for g in self.param_groups) for alg in ("muon", "adamw")}
@@ -212,7 +223,9 @@ class Muon(torch.optim.Optimizer):
     def _fingerprint(self, groups: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
         return [*param_groups.fingerprint(groups, self._options.describe(), self.defaults["nonfinite_grads"],
                                           across_ranks=self._agreement_group() is not None),
-                ("the optimizer's number", repr(self._number))]
+                ("the optimizer's number", repr(self._number)),
+                # a processor-fit default: ranks on processors of different kinds must not mix dtypes
+                ("what ns_dtype=None resolves to", repr(self._default_dtype_reasons()))]
 
     def _agreed(self, fingerprint: Fingerprint) -> None:
         """After an entry point the ranks agreed on: what later steps compare."""
@@ -291,6 +304,12 @@ class Muon(torch.optim.Optimizer):
         super().__setstate__(state)
         self._model = lambda: None
         self._make_engine()
+        self._order_buckets()
+
+    def _order_buckets(self) -> None:
+        """Where early start will run, the plan's buckets follow the backward pass (the model's
+        order reversed); elsewhere the cost order."""
+        self._engine.ready_order = wanted(self._options.early_start, self._collective_device().type)
 
     # ------------------------------------------------------------------ step
 
@@ -307,14 +326,23 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._engine.start_step()
+        # what early start began in the backward pass, finished: on every rank, before the agreement
+        run = self._early.finish()
+        if run is None:
+            self._engine.start_step()
         self._update_squares = {}
-        params, here, left_alone = agree_on_step(
+        params, here, left_alone, early = agree_on_step(
             self._prepare_step, self.defaults["nonfinite_grads"], self._agreement_group(), self._collective_device,
-            self._step_fingerprint, self._engine.counter, lambda: param_groups.all_names(self.param_groups))
+            self._step_fingerprint, self._engine.counter, lambda: param_groups.all_names(self.param_groups),
+            lambda: run.code(self.state) if run is not None else NOT_USED)
         self._steps_taken += 1
+        if early == CHANGED:
+            self._early.turn_off("the gradients changed between the backward pass and step() (a second backward "
+                                 "pass for gradient accumulation, or clipping or unscaling them), so its work was "
+                                 "redone; under FSDP2, accumulate with set_requires_gradient_sync(False) instead")
         if left_alone is None:
             self.skipped_steps += 1
+            self._arm_early_start()
             return loss
         for sharding in owner_shardings(params)[1]:
             sharding.weights_changed()
@@ -333,8 +361,33 @@ class Muon(torch.optim.Optimizer):
             return loss
         # the plan kept, unless what it depends on changed; AdamW runs while the exchange waits
         plan = self._plan = self._planner.plan_for(self._plan, entries, self._group_label, self._collective_device())
-        self._engine.run(plan.prepared, StepValues(plan, pieces, self._kernels, self._update_squares, adamw))
+        values = StepValues(plan, pieces, self._kernels, self._update_squares, adamw)
+        if run is not None and early == USED and run.plan is plan:
+            for held in run.values.held:  # the updates the backward pass computed, on the same inputs
+                values.apply(*held)
+            values.overlap()
+        else:
+            if run is not None:
+                self._engine.start_step()  # the statistics count this step's run, not the unused one
+            if self._early.setting:  # early_start=True where it cannot run: said before anything moves
+                self._early.check(plan, self._compiled)
+            self._engine.run(plan.prepared, values)
+        self._arm_early_start()
         return loss
+
+    @property
+    def _compiled(self) -> bool:
+        return bool(self._options.compile or self._options.cuda_graphs)
+
+    def _arm_early_start(self) -> None:
+        """Let the next backward pass start this step's plan (:mod:`dmuon.early_start`)."""
+        self._early.arm(self._plan, self.state, self._engine.context, self._engine.start_step, self._compiled)
+
+    @property
+    def early_start(self) -> str:
+        """Whether Newton–Schulz starts during the backward pass (:mod:`dmuon.early_start`), and
+        if not, why: "on", or "off: <reason>"."""
+        return self._early.status
 
     def _prepare_step(self) -> tuple[list[Tensor], list[bool]]:
         """This rank's part of a step before the ranks agree: the parameters (those the model

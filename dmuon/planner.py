@@ -225,9 +225,12 @@ def make_plan(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE,
     owners: Sequence[int] | None = None,
+    ready_order: bool = False,
 ) -> Plan:
     """Assign an owner position to every unit (LPT, unless ``owners`` are given) and cut the
-    order into buckets."""
+    order into buckets: the LPT order, or with ``ready_order`` the order in which the backward
+    pass finishes the gradients — the units' order reversed, as units come in the model's order
+    — so that early start can begin with the first bucket while the backward pass goes on."""
     if size < 1 or replicas < 1 or size % replicas:
         raise ValueError(f"Invalid group shape: {size=} positions, {replicas=} replicas.")
     if bucket_bytes <= 0:
@@ -237,6 +240,8 @@ def make_plan(
         owners, order = balance_owners(costs, [u.name for u in units], size)
     else:
         owners, order = list(owners), costliest_first(costs, [u.name for u in units])
+    if ready_order:
+        order = list(reversed(range(len(units))))
     # Buckets hold about ``bucket_bytes`` of NS input *per owner*: a bucket closes only when an
     # owner that already has work in it would go over, so every bucket gives every rank work
     # (one LPT round at least) and NS runs on all ranks at once, even when one matrix alone is

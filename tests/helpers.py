@@ -113,12 +113,12 @@ LLAMA_HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=t
 
 
 def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = torch.float32,
-                mixed_precision: bool = False) -> dict:
+                mixed_precision: bool = False, early_start: bool | None = None, bucket_bytes: int | None = None) -> dict:
     """Train the tiny model; ``parallel`` None is the single-process reference, else "ddp",
     "fsdp" or "hsdp" with the data split across ranks.
 
     ``dtype``: the parameters' dtype; ``mixed_precision``: FSDP2 computes in bf16 and reduces
-    in fp32 while its sharded parameters stay fp32.
+    in fp32 while its sharded parameters stay fp32. ``early_start``, ``bucket_bytes``: dmuon's options.
     """
     config = get_config("tiny")
     model = Llama(config, seed=0).to(dtype)
@@ -132,7 +132,8 @@ def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = t
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, **({"mp_policy": policy} if policy else {}))
         fully_shard(model, mesh=mesh, **({"mp_policy": policy} if policy else {}))
-    opt = dmuon.Muon(model, replica_split=replica_split, **LLAMA_HPARAMS)
+    opt = dmuon.Muon(model, replica_split=replica_split, early_start=early_start,
+                     **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}), **LLAMA_HPARAMS)
     data = SyntheticTokens(config.vocab_size, seed=0)
     losses = []
     for step in range(LLAMA_STEPS):
@@ -150,7 +151,8 @@ def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = t
         for name, p in model.named_parameters()
     }
     state_dtypes = {v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"}
-    return dict(losses=losses, params=params, state_dtypes=state_dtypes)
+    return dict(losses=losses, params=params, state_dtypes=state_dtypes, early_start=opt.early_start,
+                early_buckets=opt.last_step_stats.early_buckets)
 
 
 def lm_loss(model, inputs, targets):

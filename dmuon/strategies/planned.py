@@ -21,7 +21,7 @@ returned updates exist at once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -124,13 +124,25 @@ class PlannedExchange:
         return tuple(tuple(position[u] for u, _, _, _ in members) for _, _, members in batches) if plain else None
 
     def run(self, io: StepIO, ctx: Context) -> None:
+        for _ in self.stages(io, ctx):
+            pass
+
+    def stages(self, io: StepIO, ctx: Context) -> Iterator[int]:
+        """The run, in stages: it yields ``k`` before it first reads an input of bucket ``k``, so
+        that early start (:mod:`dmuon.early_start`) can resume it once bucket ``k``'s gradients
+        are final, while the backward pass goes on. Every rank runs the same stages in the same
+        order; only when each one runs may differ."""
         if self.group is None:
-            self._run_alone(io, ctx)
+            yield from self._stages_alone(io, ctx)
             return
         returns: list[tuple[int, PendingExchange | None, dict[int, Tensor]]] = []
-        gathers = {0: self._start_gather(0, io, ctx)} if self.buckets else {}
+        gathers = {}
+        if self.buckets:
+            yield 0
+            gathers[0] = self._start_gather(0, io, ctx)
         for k in range(len(self.buckets)):
             if k + 1 < len(self.buckets):
+                yield k + 1
                 gathers[k + 1] = self._start_gather(k + 1, io, ctx)
             owned = self._orthogonalize_owned(k, gathers.pop(k), io, ctx)
             returns.append((k, self._start_return(k, owned, ctx), owned))
@@ -141,11 +153,12 @@ class PlannedExchange:
         for pending in returns:
             self._finish_return(*pending, io)
 
-    def _run_alone(self, io: StepIO, ctx: Context) -> None:
+    def _stages_alone(self, io: StepIO, ctx: Context) -> Iterator[int]:
         """One process: every matrix is whole here and nothing is exchanged, so a bucket is its
         inputs, its batched Newton–Schulz calls and its updates — the same calls on the same
         stacks as the exchange makes; plain matrices are stacked and unstacked without reshapes."""
         for k, bucket in enumerate(self.buckets):
+            yield k
             dtype = self._dtype(k, ctx)
             values = [v if v.dtype == dtype else v.to(dtype) for v in io.inputs(bucket.indices)]
             if bucket.stacks is None:  # expert stacks or fused blocks: the general assembly

@@ -1,0 +1,143 @@
+"""Early start (dmuon.early_start): Newton–Schulz begun in the backward pass gives the same bits as
+the step without it, in every layout that supports it, at 1–4 ranks; where a layout does not
+support it, or the gradients change after the backward pass, the step runs as without it."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import dmuon
+from tests.harness import run_on_ranks
+from tests.helpers import single_process, train_llama
+
+
+BUCKET = 4 * 1024  # bytes of Newton–Schulz input per owner: the tiny model in several buckets
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["losses"] == b["losses"]
+    for name, value in a["params"].items():
+        assert torch.equal(value, b["params"][name]), name
+
+
+@pytest.mark.parametrize("parallel,world,dtype", [
+    (None, 1, torch.float32), (None, 1, torch.bfloat16),
+    ("fsdp", 1, torch.float32), ("fsdp", 2, torch.float32), ("fsdp", 3, torch.float32),
+    ("fsdp", 3, torch.bfloat16), ("hsdp", 4, torch.float32),
+])
+def test_early_start_gives_the_same_bits_as_the_step_at_step(parallel, world, dtype):
+    """On: every bucket begins in the backward pass (small buckets, so that there are several).
+    Off (early_start=False): the buckets in the LPT order, all run at step()."""
+    on_args, off_args = (parallel, None, dtype, False, True, BUCKET), (parallel, None, dtype, False, False, BUCKET)
+    if parallel is None:
+        ons, offs = [single_process(train_llama, *on_args)], [single_process(train_llama, *off_args)]
+    else:
+        ons, offs = run_on_ranks(world, train_llama, *on_args), run_on_ranks(world, train_llama, *off_args)
+    for on, off in zip(ons, offs):
+        assert on["early_start"].startswith("on") and off["early_start"].startswith("off")
+        begun, buckets = on["early_buckets"]
+        assert buckets > 1 and begun == buckets  # the last bucket's NS waits for step(); all began
+        assert off["early_buckets"] == (0, 0)
+        _same(on, off)
+
+
+def test_ddp_falls_back_and_says_why():
+    for r in run_on_ranks(2, train_llama, "ddp"):
+        assert r["early_start"].startswith("off: ") and "DDP" in r["early_start"]
+        assert r["early_buckets"] == (0, 0)
+
+
+def test_the_default_is_off_on_cpu_and_says_why():
+    model, opt = _train(None, steps=2)
+    assert opt.early_start.startswith("off: on CPU it does not pay")
+    assert opt.last_step_stats.early_buckets == (0, 0)
+
+
+def _tiny(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+
+
+def _train(early_start, steps=3, between=None, accumulate=False, skip_at=None):
+    """A few steps of a 4-layer MLP; ``between(model)`` runs between backward() and step()."""
+    model = _tiny()
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
+    torch.manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(8, 32)
+        if step == skip_at:
+            x[0, 0] = float("nan")  # non-finite gradients from the backward pass itself
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        if accumulate:
+            model(2 * x).square().mean().backward()
+        if between is not None:
+            between(model)
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("case", ["clip", "accumulate", "scale"])
+def test_gradients_changed_after_backward_redo_the_work_and_turn_early_start_off(case):
+    between = {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3),
+               "scale": lambda m: [p.grad.mul_(0.5) for p in m.parameters()], "accumulate": None}[case]
+    reference, _ = _train(False, between=between, accumulate=case == "accumulate")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = _train(True, between=between, accumulate=case == "accumulate")
+    assert opt.early_start.startswith("off: the gradients changed")
+    assert sum("early start turned off" in str(w.message) for w in caught) == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_skipped_step_leaves_no_stale_update():
+    """Non-finite gradients at step 1: nothing moves; the next step's early run is fresh."""
+    reference, ref_opt = _train(False, skip_at=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = _train(True, skip_at=1)
+    assert opt.skipped_steps == ref_opt.skipped_steps == 1 and opt.early_start == "on"
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_an_abandoned_backward_is_not_applied():
+    """A backward pass whose step() never comes (an exception, a skipped batch): the next step
+    applies the next backward's updates only."""
+    model, opt = _train(True, steps=1)
+    reference, ref_opt = _train(False, steps=1)
+    for m in (model, reference):
+        m(torch.randn(8, 32)).sum().backward()  # abandoned
+    x = torch.randn(8, 32)
+    for m, o in ((model, opt), (reference, ref_opt)):
+        o.zero_grad()
+        m(x).square().mean().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_early_start_true_where_it_cannot_run_raises():
+    model = _tiny()
+    opt = dmuon.Muon(model, early_start=True, compile=True)
+    model(torch.randn(2, 32)).sum().backward()
+    with pytest.raises(ValueError, match="early_start=True: compile"):
+        opt.step()
+
+
+def test_state_dict_round_trip_between_backward_and_step():
+    """load_state_dict between backward() and step(): the step uses the loaded momentum."""
+    model, opt = _train(True, steps=2)
+    reference, ref_opt = _train(False, steps=2)
+    saved = ref_opt.state_dict()
+    x = torch.randn(8, 32)
+    for m, o in ((model, opt), (reference, ref_opt)):
+        o.zero_grad()
+        m(x).square().mean().backward()
+        o.load_state_dict(copy.deepcopy(saved))  # loading keeps the given tensors: one copy each
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
