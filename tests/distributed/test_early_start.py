@@ -141,3 +141,38 @@ def test_state_dict_round_trip_between_backward_and_step():
         o.load_state_dict(copy.deepcopy(saved))  # loading keeps the given tensors: one copy each
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def _column_wise_tp(early_start: bool) -> dict:
+    """Two column-wise tensor-parallel layers (weights Shard(0), outputs gathered) on a 1-D mesh
+    of every rank, the same data everywhere: three steps."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from tests.helpers import full_tensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = {name: ColwiseParallel(output_layouts=Replicate()) for name in ("0", "2")}
+    parallelize_module(model, mesh, plan)
+    opt = dmuon.Muon(model, lr=0.02, ns_dtype=torch.float32, bucket_bytes=1024, early_start=early_start)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(12, 16, generator=g), torch.randn(12, 24, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return dict(params={n: full_tensor(p) for n, p in model.named_parameters()}, status=opt.early_start,
+                early_buckets=opt.last_step_stats.early_buckets)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_column_wise_tensor_parallel_early_start_gives_the_same_bits(world):
+    ons, offs = run_on_ranks(world, _column_wise_tp, True), run_on_ranks(world, _column_wise_tp, False)
+    for on, off in zip(ons, offs):
+        assert on["status"] == "on" and on["early_buckets"][0] == on["early_buckets"][1] >= 1
+        for name, value in on["params"].items():
+            assert torch.equal(value, off["params"][name]), name
