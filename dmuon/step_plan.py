@@ -147,9 +147,12 @@ class StepPlanner:
     # ------------------------------------------------------------------ the cost model's choices
 
     def works(self, entries: Sequence[MuonEntry]) -> list[MatrixWork]:
-        """Each matrix to one owner, split across its group, or over a gang."""
+        """Each matrix to one owner, split across its group, or over a gang. Where early start
+        runs (the engine's buckets follow the backward pass), the cost model keeps every matrix
+        whole: early start runs the planned exchange only, and hides most of it in the backward
+        pass (``distributed_ns=True`` still splits, and turns early start off)."""
         works = self._owned_works(entries)
-        if self.distributed_ns is False:
+        if self.distributed_ns is False or (self.distributed_ns is None and self.engine.ready_order):
             return works
         candidates = [i for i, ((_, p, _, _), w) in enumerate(zip(entries, works))
                       if column_block_candidate(p, w.layout, w.group, w.blocks)]

@@ -31,12 +31,18 @@ round gives each configuration ``--steps-per-round`` steps, the order rotated by
 round, so a change of load between rounds hits every configuration alike. Per configuration and
 round the bench keeps the slowest rank's optimizer-step and step times (median over the round's
 steps); a ratio (optimizer step vs vanilla Muon of the same mode, step vs AdamW of the same mode)
-is the median of the per-round ratios, shown with their min-max. Times are medians over the
-measured steps of the slowest rank. A run warns — in the table and in ``--json`` (``warnings``,
+is the median of the per-round ratios, shown with the 95 % confidence interval of their geometric
+mean (±, relative; ``--verbose``: their min-max too). Times are medians over the measured steps of
+the slowest rank. The rounds go on past ``--steps`` while a headline ratio — each dmuon
+configuration's step vs AdamW, and its optimizer step vs vanilla Muon (not for early start,
+whose Newton–Schulz runs in the backward pass) — is not within ``SETTLE_LIMIT`` (±10 %) and the
+whole run's ``--max-seconds`` allow another round; the report says which happened. It prints
+the verdict first (per dmuon configuration: its step against AdamW's, with the overhead in
+percent, and its optimizer step against vanilla Muon's), with the model's size and the tokens
+per step, then the table. A run warns — in the report and in ``--json`` (``warnings``,
 ``trustworthy``) — when other jobs took more than ``OTHER_LOAD_LIMIT`` (10 %) of the machine's
 cores during the rounds (``/proc/stat`` busy time, steal included, minus the ranks' own CPU
-time), when a ratio's per-round values spread more than ``SPREAD_LIMIT`` (1.3x, max over min),
-or when there was only one round.
+time), when a headline ratio did not settle, or when there was only one round.
 
 Peak memory is measured in a separate pass, each configuration alone in freshly spawned ranks
 (``--memory-steps`` steps), so that its peak is its own: "peak mem" is the largest rise of a
@@ -60,10 +66,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import socket
 import statistics
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -83,25 +91,29 @@ from dmuon.tools.cli import (
     positive_int,
 )
 from dmuon.tools.demo import CONFIGS as OPTIMIZERS
-from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config
+from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config, param_count
 
 CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon",
-           "fsdp-dmuon-early", "ownerz2-dmuon", "ownerz3-dmuon")
+           "fsdp-dmuon-early", "ownerz2-dmuon")
 # Not run by default: dmuon with bf16 on the wire (comm_dtype=torch.bfloat16), to set beside the
 # exact default in the same run
 BF16_WIRE_CONFIGS = ("ddp-dmuon-bf16wire", "fsdp-dmuon-bf16wire")
-# Not run by default: dmuon with early start off (early_start=False), to set beside the default on CUDA
-AT_STEP_CONFIGS = ("fsdp-dmuon-atstep",)
+# Not run by default: dmuon with early start off (early_start=False), to set beside the default on
+# CUDA; owner sharding re-broadcasting in backward (Z3: less memory, the same step as Z2's within noise)
+MORE_CONFIGS = ("fsdp-dmuon-atstep", "ownerz3-dmuon")
 # What each data-parallel mode is compared with (AdamW and vanilla Muon of that mode).
 BASELINE_MODE = {"ddp": "ddp", "fsdp": "fsdp", "ownerz2": "fsdp", "ownerz3": "fsdp"}
 
 
 # A run is flagged as not trustworthy when other jobs used more than this fraction of the
 # machine's cores while the timed rounds ran (measured: /proc/stat busy time, steal included,
-# minus the ranks' own CPU time), or when a ratio's per-round values spread more than this
-# factor (largest over smallest).
+# minus the ranks' own CPU time), or when a headline ratio's 95 % interval is wider than
+# ±SETTLE_LIMIT (relative) once the rounds stop.
 OTHER_LOAD_LIMIT = 0.1
-SPREAD_LIMIT = 1.3
+SETTLE_LIMIT = 0.10
+# Student's t, 97.5 % quantile, by degrees of freedom (the nearest listed below is taken)
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
+         15: 2.13, 20: 2.09, 30: 2.04, 60: 2.00}
 
 # --comm-dtype: dmuon.Muon's comm_dtype
 COMM_DTYPES = {"exact": None, "bf16": torch.bfloat16}
@@ -136,27 +148,42 @@ class BenchResult:
 
 @dataclass(frozen=True)
 class Ratio:
-    """Median of the per-round ratios of a time to its baseline's in the same round, and their range."""
+    """Median of the per-round ratios of a time to its baseline's in the same round, their range,
+    and the relative half-width of the 95 % confidence interval of their geometric mean (None
+    with one round)."""
 
     median: float
     low: float
     high: float
+    halfwidth: float | None = None
 
     @property
-    def spread(self) -> float:
-        return self.high / self.low if self.low > 0 else float("inf")
+    def settled(self) -> bool:
+        return self.halfwidth is not None and self.halfwidth <= SETTLE_LIMIT
 
     def text(self) -> str:
-        flag = "!" if self.spread > SPREAD_LIMIT else ""
-        return f"{self.median:.2f} ({self.low:.2f}-{self.high:.2f}){flag}"
+        return f"{self.median:.2f}" + (f" ±{self.halfwidth:.0%}" if self.halfwidth is not None else "")
+
+    def range_text(self) -> str:
+        return f"{self.median:.2f} ({self.low:.2f}-{self.high:.2f})"
+
+
+def relative_halfwidth(ratios: list[float]) -> float | None:
+    """The 95 % interval of the geometric mean of ``ratios``, as a relative half-width: the t
+    interval of their logarithms (rounds are independent repeats under the same conditions)."""
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    t = _T975[max(k for k in _T975 if k <= len(logs) - 1)]
+    return math.exp(t * statistics.stdev(logs) / math.sqrt(len(logs))) - 1
 
 
 def per_round_ratio(values: tuple[float, ...], bases: tuple[float, ...]) -> Ratio | None:
     """Ratios of ``values`` to ``bases`` round by round (both measured in the same rounds)."""
-    ratios = [v / b for v, b in zip(values, bases) if b > 0]
+    ratios = [v / b for v, b in zip(values, bases) if b > 0 and v > 0]
     if not ratios:
         return None
-    return Ratio(statistics.median(ratios), min(ratios), max(ratios))
+    return Ratio(statistics.median(ratios), min(ratios), max(ratios), relative_halfwidth(ratios))
 
 
 def _baseline_mode(config: str) -> str:
@@ -176,6 +203,7 @@ def compare(results: list[BenchResult]) -> dict[str, dict[str, Ratio | float | N
         out[r.config] = {
             "opt_step_vs_vanilla": vanilla and per_round_ratio(r.rounds("opt_step_ms"), vanilla.rounds("opt_step_ms")),
             "step_vs_adamw": adamw and per_round_ratio(r.rounds("step_ms"), adamw.rounds("step_ms")),
+            "step_vs_vanilla": vanilla and per_round_ratio(r.rounds("step_ms"), vanilla.rounds("step_ms")),
             "mem_vs_adamw": (r.peak_mem_bytes / adamw.peak_mem_bytes
                              if adamw and adamw.peak_mem_bytes and r.peak_mem_bytes else None),
             "opt_step_efficiency": per_round_ratio(r.round_ns_alone_ms, r.rounds("opt_step_ms")),
@@ -195,24 +223,38 @@ class Load:
         return OTHER_LOAD_LIMIT * self.cores
 
 
+def headline(results: list[BenchResult]) -> list[tuple[str, str]]:
+    """The ratios a reader acts on: each dmuon configuration's step vs AdamW's and vs vanilla
+    Muon's (whole steps: the optimizer-step ratios, of short and noisier times, are shown but do
+    not decide whether a run settled)."""
+    return [(r.config, what) for r in results if "-dmuon" in r.config for what in ("step_vs_adamw", "step_vs_vanilla")]
+
+
+def unsettled(results: list[BenchResult]) -> list[str]:
+    """The headline ratios whose interval is wider than ±SETTLE_LIMIT, as "<config> <ratio>"."""
+    comparisons = compare(results)
+    return [f"{name} {what.replace('_', ' ')}" for name, what in headline(results)
+            if isinstance(comparisons[name][what], Ratio) and not comparisons[name][what].settled]
+
+
 def run_warnings(results: list[BenchResult], load: Load | None = None) -> list[str]:
-    """Why this run's ratios should not be trusted; empty when nothing says so."""
+    """Why this run's ratios should not be trusted, and what to do; empty when nothing says so."""
     warnings = []
     if load is not None and load.other_cores > load.limit:
         warnings.append(f"other jobs used {load.other_cores:.2f} of {load.cores} cores during the timed rounds "
                         f"(limit {load.limit:.2f} = {OTHER_LOAD_LIMIT:.0%} of the machine): the times are "
-                        "inflated; the ratios are measured side by side, but check their spread")
+                        "inflated; the ratios are measured side by side, but check their intervals")
     rounds = max((len(r.rounds("step_ms")) for r in results), default=0)
     if rounds < 2:
-        warnings.append("only one round: the ratios' spread is unknown (use --steps 4 or more)")
-    for name, ratios in compare(results).items():
-        for what, ratio in ratios.items():
-            # AdamW's optimizer step (a few ms) over vanilla Muon's judges nothing: jitter only
-            # nor does early start's (its Newton–Schulz ran in the backward pass): its step is what counts
-            judged = not ((name.endswith("-adamw") or name.endswith("-early")) and what != "step_vs_adamw")
-            if judged and isinstance(ratio, Ratio) and ratio.spread > SPREAD_LIMIT:
-                warnings.append(f"{name} {what.replace('_', ' ')}: per-round ratios {ratio.low:.2f}-{ratio.high:.2f} "
-                                f"spread {ratio.spread:.2f}x (limit {SPREAD_LIMIT}x): the rounds disagree; rerun, or more --steps")
+        warnings.append("only one round: the ratios' intervals are unknown (use --steps 4 or more)")
+        return warnings
+    comparisons = compare(results)
+    for name, what in headline(results):
+        ratio = comparisons[name][what]
+        if isinstance(ratio, Ratio) and not ratio.settled:
+            warnings.append(f"{name} {what.replace('_', ' ')}: ±{ratio.halfwidth:.0%} after {rounds} rounds (target "
+                            f"±{SETTLE_LIMIT:.0%}): the rounds disagree; rerun on a quieter machine, or give it more "
+                            "--max-seconds")
     return warnings
 
 
@@ -226,10 +268,11 @@ def json_records(results: list[BenchResult], load: Load | None = None) -> list[d
         record["round_ns_alone_ms"] = list(r.round_ns_alone_ms)
         for what, ratio in comparisons[r.config].items():
             if isinstance(ratio, Ratio):
-                record.update({what: ratio.median, f"{what}_min": ratio.low, f"{what}_max": ratio.high})
+                record.update({what: ratio.median, f"{what}_min": ratio.low, f"{what}_max": ratio.high,
+                               f"{what}_halfwidth": ratio.halfwidth})
             else:
                 record.update({what: ratio} if what == "mem_vs_adamw" else
-                              {what: None, f"{what}_min": None, f"{what}_max": None})
+                              {what: None, f"{what}_min": None, f"{what}_max": None, f"{what}_halfwidth": None})
         record["other_jobs_cores"] = load.other_cores if load else None
         record["warnings"] = warnings
         record["trustworthy"] = not warnings
@@ -336,17 +379,27 @@ def rounds_of(steps: int, steps_per_round: int) -> list[int]:
 
 
 def run_rounds(trainers: dict, *, warmup: int, steps: int, steps_per_round: int, log=None,
-               mean_loss=float, bytes_hook=None) -> list[StepRecord]:
+               mean_loss=float, bytes_hook=None, more=None) -> list[StepRecord]:
     """Step every configuration of ``trainers`` round-robin: warm-up steps one configuration after
     another, then rounds in which each configuration does ``steps_per_round`` steps, the order
     rotated by round, so a change of load lands on every configuration alike. After each measured
     step, the trainer times that step's Newton–Schulz calls alone (``ns_alone_s``). Times come from
-    :data:`clock`; ``mean_loss`` turns a rank's loss into the figure printed (all ranks' mean)."""
+    :data:`clock`; ``mean_loss`` turns a rank's loss into the figure printed (all ranks' mean).
+    ``more(records)``, asked after the planned rounds and after each extra one, says whether to
+    run another round (every rank must get the same answer)."""
     configs, done, records = list(trainers), {name: 0 for name in trainers}, []
-    total = warmup + steps
-    plan = [(-1, list(configs), warmup)] + [(i, round_order(configs, i), n)
-                                            for i, n in enumerate(rounds_of(steps, steps_per_round))]
-    for round_index, order, n in plan:
+    planned = rounds_of(steps, steps_per_round)
+
+    def rounds():
+        yield -1, list(configs), warmup
+        for i, n in enumerate(planned):
+            yield i, round_order(configs, i), n
+        i = len(planned)
+        while more is not None and more(records):
+            yield i, round_order(configs, i), steps_per_round
+            i += 1
+
+    for round_index, order, n in rounds():
         for name in order:
             trainer = trainers[name]
             for _ in range(n):
@@ -367,8 +420,9 @@ def run_rounds(trainers: dict, *, warmup: int, steps: int, steps_per_round: int,
                 loss = mean_loss(loss)
                 records.append(StepRecord(name, round_index, step, end - opt_start, end - start, loss, ns_s))
                 if log is not None:
-                    where = "warm-up" if round_index < 0 else f"round {round_index + 1}/{len(plan) - 1}"
-                    log.write(f"{where}  {name:<18} step {step + 1}/{total}  loss {loss:.3f}  "
+                    where = ("warm-up" if round_index < 0 else f"round {round_index + 1}/{len(planned)}"
+                             if round_index < len(planned) else f"round {round_index + 1} (extra)")
+                    log.write(f"{where}  {name:<18} step {step + 1}/{warmup + steps}  loss {loss:.3f}  "
                               f"opt step {(end - opt_start) * 1e3:.0f} ms  step {(end - start) * 1e3:.0f} ms\n")
                     log.flush()
     return records
@@ -406,16 +460,33 @@ def _timed(names: list[str], args: argparse.Namespace, rank: int, world: int, de
     def bytes_hook(name: str, trainer: _Trainer) -> None:
         sent[name] = trainer.bytes_sent()
 
+    def slowest(records: list[StepRecord]) -> list[StepRecord]:
+        """The records with the slowest rank's times of every step, and the busiest rank's
+        Newton–Schulz time alone (a collective)."""
+        times = torch.tensor([[r.opt_s, r.step_s, -1.0 if r.ns_s is None else r.ns_s] for r in records],
+                             dtype=torch.float64, device=device).reshape(-1, 3)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        return [dataclasses.replace(r, opt_s=opt_s, step_s=step_s, ns_s=None if ns_s < 0 else ns_s)
+                for r, (opt_s, step_s, ns_s) in zip(records, times.tolist())]
+
+    def more(records: list[StepRecord]) -> bool:
+        """Another round while a headline ratio is unsettled and the run's time allows one (the
+        same answer on every rank: from the slowest rank's times and the latest clock)."""
+        now = torch.tensor([time.time()], dtype=torch.float64, device=device)
+        dist.all_reduce(now, op=dist.ReduceOp.MAX)
+        measured = slowest([r for r in records if r.round >= 0])
+        last = max(r.round for r in measured)
+        round_s = sum(r.step_s for r in measured if r.round == last)
+        if now.item() + round_s > args.deadline:
+            return False
+        return bool(unsettled(list(summarize(measured, world).values())))
+
     dist.barrier()
     start = time.perf_counter()  # the machine's monotonic clock: the parent compares it with its own
     records = run_rounds(trainers, warmup=args.warmup, steps=args.steps, steps_per_round=args.steps_per_round,
-                         log=sys.stderr if rank == 0 else None, mean_loss=mean_loss, bytes_hook=bytes_hook)
-    # the slowest rank's time of every step, and the busiest rank's Newton–Schulz time alone
-    times = torch.tensor([[r.opt_s, r.step_s, -1.0 if r.ns_s is None else r.ns_s] for r in records],
-                         dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    for r, (opt_s, step_s, ns_s) in zip(records, times.tolist()):
-        r.opt_s, r.step_s, r.ns_s = opt_s, step_s, None if ns_s < 0 else ns_s
+                         log=sys.stderr if rank == 0 else None, mean_loss=mean_loss, bytes_hook=bytes_hook,
+                         more=more if args.deadline else None)
+    records = slowest(records)
     warm = [r for r in records if r.round < 0]
     measured_start = start + sum(r.step_s for r in warm)  # about when the rounds began
     averaged = torch.tensor([sent[n] or 0 for n in names], dtype=torch.float64, device=device)
@@ -480,55 +551,84 @@ def run_config(names: str | list[str], args: argparse.Namespace, mode: str = "me
     return queue.get()
 
 
-def format_table(results: list[BenchResult], load: Load | None = None) -> str:
-    """One row per configuration, with ratios against AdamW and vanilla Muon of the same
-    parallelism (medians of per-round ratios, their range in brackets), the warnings and a summary."""
-    by_name = {r.config: r for r in results}
+def _cell(ratio: Ratio | float | None, text=Ratio.text) -> str:
+    return text(ratio) if isinstance(ratio, Ratio) else "-"
+
+
+def verdict(results: list[BenchResult], about: str = "") -> list[str]:
+    """The lines a reader acts on, first (within 100 columns): per dmuon configuration its step
+    against AdamW's (and the overhead in percent) and its optimizer step against vanilla Muon's,
+    each with its interval; then whether the ratios settled."""
     comparisons = compare(results)
-    columns = [("config", 20), ("opt step ms", 11), ("step ms", 9), ("sent MiB/step", 13), ("peak mem MiB", 12),
-               ("final loss", 10), ("opt step / vanilla", 18), ("step / AdamW", 18), ("mem / AdamW", 11),
-               ("opt step efficiency", 19)]
-    lines = [" ".join(f"{title:<{w}}" if i == 0 else f"{title:>{w}}" for i, (title, w) in enumerate(columns))]
+    rounds = max((len(r.rounds("step_ms")) for r in results), default=0)
+    lines = ["dmuon bench verdict" + (f" ({about})" if about else "")]
+    for r in results:
+        if "-dmuon" not in r.config:
+            continue
+        c = comparisons[r.config]
+        parts = []
+        for what, baseline in (("step_vs_adamw", "AdamW"), ("step_vs_vanilla", "vanilla Muon")):
+            ratio = c[what]
+            if isinstance(ratio, Ratio):
+                parts.append(f"{ratio.median:.2f}x {baseline} ({ratio.median - 1:+.0%}"
+                             + (f" ±{ratio.halfwidth:.0%})" if ratio.halfwidth is not None else ")"))
+        lines.append(f"  {r.config:<18} step " + "; ".join(parts)
+                     + ("; Newton-Schulz begun in the backward pass" if r.config.endswith("-early") else ""))
+    left = unsettled(results)
+    if rounds < 2:
+        lines.append("  one round: no interval (use --steps 4 or more)")
+    elif left:
+        lines.append(f"  NOT settled after {rounds} rounds, the time budget spent (--max-seconds): "
+                     f"{', '.join(left)} not within ±{SETTLE_LIMIT:.0%}")
+    else:
+        lines.append(f"  settled: every ratio above within ±{SETTLE_LIMIT:.0%} (95 % interval) after {rounds} rounds")
+    return [wrapped for line in lines for wrapped in textwrap.wrap(line, 100, subsequent_indent="    ")]
+
+
+def format_table(results: list[BenchResult], load: Load | None = None, about: str = "",
+                 verbose: bool = False) -> str:
+    """The verdict (:func:`verdict`), then one row per configuration (within 100 columns) with
+    ratios against AdamW and vanilla Muon of the same parallelism (medians of per-round ratios,
+    ± their 95 % interval), the warnings; ``verbose``: a second table with the bytes, memory,
+    loss, the ratios' ranges and the optimizer-step efficiency."""
+    comparisons = compare(results)
+    lines = [*verdict(results, about), ""]
+    columns = [("config", 20), ("step ms", 9), ("step/AdamW", 11), ("overhead", 8), ("opt step ms", 11),
+               ("opt/vanilla", 11), ("mem/AdamW", 9)]
+
+    def row(cells: list[str], widths: list[tuple[str, int]]) -> str:
+        return " ".join(f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}" for i, (cell, (_, w)) in enumerate(zip(cells, widths)))
+
+    lines.append(row([title for title, _ in columns], columns))
     for r in results:
         c = comparisons[r.config]
-        cells = [r.config, f"{r.opt_step_ms:.1f}", f"{r.step_ms:.1f}",
-                 f"{r.bytes_per_step / 2**20:,.2f}" if r.bytes_per_step is not None else "-",
-                 f"{r.peak_mem_bytes / 2**20:,.1f}" if r.peak_mem_bytes else "-", f"{r.final_loss:.3f}",
-                 c["opt_step_vs_vanilla"].text() if c["opt_step_vs_vanilla"] else "-",
-                 c["step_vs_adamw"].text() if c["step_vs_adamw"] else "-",
-                 f"{c['mem_vs_adamw']:.2f}" if c["mem_vs_adamw"] else "-",
-                 c["opt_step_efficiency"].text() if c["opt_step_efficiency"] else "-"]
-        lines.append(" ".join(f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}"
-                              for i, (cell, (_, w)) in enumerate(zip(cells, columns))))
+        step = c["step_vs_adamw"]
+        lines.append(row([r.config, f"{r.step_ms:.1f}", _cell(step),
+                          f"{step.median - 1:+.1%}" if isinstance(step, Ratio) else "-", f"{r.opt_step_ms:.1f}",
+                          _cell(c["opt_step_vs_vanilla"]), f"{c['mem_vs_adamw']:.2f}" if c["mem_vs_adamw"] else "-"],
+                         columns))
     rounds = max(len(r.rounds("step_ms")) for r in results) if results else 0
-    lines.append(f"times: median over the measured steps of the slowest rank; ratios: median of {rounds} per-round "
-                 "ratio(s) (min-max), the configurations stepped in turn in the same ranks; ! = spread above "
-                 f"{SPREAD_LIMIT}x; peak mem: each configuration alone in fresh ranks; final loss: last step's, mean "
-                 "over ranks; opt step efficiency: the busiest rank's Newton–Schulz calls timed alone / opt step "
-                 "(1.0 = the floor)")
-    summary = []
-    for parallel in ("ddp", "fsdp"):
-        names = [f"{parallel}-adamw", f"{parallel}-torch-muon", f"{parallel}-dmuon"]
-        if all(n in by_name for n in names):
-            base, vanilla, ours = (by_name[n].rounds("step_ms") for n in names)
-            overheads = [(o - b) / (v - b) for b, v, o in zip(base, vanilla, ours) if v > b]
-            if overheads:
-                lines.append(f"{parallel}: dmuon's step-time overhead over AdamW is "
-                             f"{statistics.median(overheads):.2f} of vanilla Muon's")
-        ratio = comparisons.get(f"{parallel}-dmuon", {}).get("opt_step_vs_vanilla")
-        efficiency = comparisons.get(f"{parallel}-dmuon", {}).get("opt_step_efficiency")
-        if ratio:
-            summary.append(f"under {'DDP' if parallel == 'ddp' else 'FSDP2'} dmuon's optimizer step took "
-                           f"{ratio.median:.2f}x vanilla Muon's ({ratio.low:.2f}-{ratio.high:.2f} over the rounds)"
-                           + (f", {efficiency.median:.2f} of it Newton–Schulz on the busiest rank" if efficiency else ""))
-    warnings = run_warnings(results, load)
+    lines += textwrap.wrap(f"times: median over the measured steps of the slowest rank; ratios: median of {rounds} "
+                           "per-round ratio(s), ± the 95 % interval of their geometric mean, the configurations "
+                           "stepped in turn in the same ranks; mem: peak, each configuration alone in fresh ranks", 100)
+    if verbose:
+        detail = [("config", 20), ("sent MiB/step", 13), ("peak MiB", 9), ("loss", 6), ("step/AdamW range", 17),
+                  ("opt/vanilla range", 17), ("NS/opt step", 11)]
+        lines += ["", row([title for title, _ in detail], detail)]
+        for r in results:
+            c = comparisons[r.config]
+            lines.append(row([r.config, f"{r.bytes_per_step / 2**20:,.2f}" if r.bytes_per_step is not None else "-",
+                              f"{r.peak_mem_bytes / 2**20:,.0f}" if r.peak_mem_bytes else "-", f"{r.final_loss:.3f}",
+                              _cell(c["step_vs_adamw"], Ratio.range_text),
+                              _cell(c["opt_step_vs_vanilla"], Ratio.range_text),
+                              _cell(c["opt_step_efficiency"], Ratio.text)], detail))
+        lines += textwrap.wrap("sent: dmuon's own collectives, mean over ranks; loss: the last step's, mean over "
+                               "ranks; NS/opt step: the busiest rank's Newton-Schulz calls timed alone over the "
+                               "optimizer step (1.0 = the floor)", 100)
     if load is not None:
         lines.append(f"other jobs during the timed rounds: {load.other_cores:.2f} of {load.cores} cores "
                      f"(warning above {load.limit:.2f})")
-    lines.extend(f"WARNING: {w}" for w in warnings)
-    verdict = ("these ratios are NOT trustworthy (see the warnings above)" if warnings else
-               "no load or spread was seen that would make these ratios untrustworthy")
-    lines.append("Summary: " + "; ".join([*summary, verdict]) + ".")
+    lines.extend(f"WARNING: {w}" for w in run_warnings(results, load))
     return "\n".join(lines)
 
 
@@ -637,7 +737,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=positive_int,
                         help="override the preset's depth: real shapes, fewer layers (default: the preset's)")
     parser.add_argument("--steps", type=positive_int, default=4,
-                        help="measured steps per configuration, in rounds of --steps-per-round (default: %(default)s)")
+                        help="measured steps per configuration at least, in rounds of --steps-per-round; more rounds "
+                             "follow while a headline ratio is not within ±10 %% and --max-seconds allow "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-seconds", type=non_negative_float, default=230,
+                        help="the whole run's time budget: no extra round starts that would end after it; 0: no "
+                             "extra rounds (default: %(default)s)")
     parser.add_argument("--steps-per-round", type=positive_int, default=1,
                         help="steps each configuration does in a round before the next one's turn; the order "
                              "rotates by round (default: %(default)s)")
@@ -648,6 +753,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps of the peak-memory pass, each configuration alone in fresh ranks; 0 skips "
                              "it (default: %(default)s)")
     parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank (default: %(default)s)")
+    parser.add_argument("--tokens-per-step", type=positive_int, default=None,
+                        help="tokens per step over all ranks, instead of --batch-size: it must be a multiple of "
+                             "--world-size x --seq-len (default: --batch-size's)")
     parser.add_argument("--seq-len", type=positive_int, default=128,
                         help="tokens per sequence, at most the preset's max_seq_len (default: %(default)s)")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="learning rate (default: %(default)s)")
@@ -655,10 +763,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decoupled weight decay (default: %(default)s)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
-    parser.add_argument("--configs", type=name_list(CONFIGS + BF16_WIRE_CONFIGS + AT_STEP_CONFIGS), default=list(CONFIGS),
+    parser.add_argument("--configs", type=name_list(CONFIGS + BF16_WIRE_CONFIGS + MORE_CONFIGS), default=list(CONFIGS),
                         help=f"comma-separated subset of {','.join(CONFIGS)}, or of those and "
-                             f"{','.join(BF16_WIRE_CONFIGS)} (dmuon with bf16 on the wire beside its exact default) "
-                             f"(default: {','.join(CONFIGS)})")
+                             f"{','.join(BF16_WIRE_CONFIGS)} (dmuon with bf16 on the wire beside its exact default), "
+                             f"{','.join(MORE_CONFIGS)} (default: {','.join(CONFIGS)})")
     parser.add_argument("--ns-coefficients", choices=NAMED_COEFFICIENTS, default="polar_express",
                         help="dmuon.Muon's Newton–Schulz coefficients; keller is what torch.optim.Muon and four of "
                              "the five peers run (same cost: 5 quintic steps in bf16) (default: %(default)s)")
@@ -669,6 +777,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add every installed peer implementation (pip install 'dmuon[peers]') (default: off)")
     parser.add_argument("--json", metavar="PATH", type=output_path,
                         help="write one record per configuration (default: none)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="a second table: bytes sent, peak memory, final loss, the ratios' ranges and the "
+                             "optimizer-step efficiency (default: off)")
     parser.add_argument("--plot", metavar="PATH", type=output_path,
                         help="write a PNG of the results; needs matplotlib (default: none)")
 
@@ -682,6 +793,12 @@ def check_arguments(args: argparse.Namespace) -> None:
                   "Muon's bf16 Newton-Schulz would take minutes per step on the bench preset; --preset bench "
                   "forces it", file=sys.stderr)
     check_seq_len(args.seq_len, args.preset, PRESETS[args.preset].max_seq_len)
+    if args.tokens_per_step is not None:
+        per_sequence_step = args.world_size * args.seq_len
+        if args.tokens_per_step % per_sequence_step:
+            raise UsageError("--tokens-per-step", f"invalid value {args.tokens_per_step}: must be a multiple of "
+                                                  f"--world-size x --seq-len = {per_sequence_step}")
+        args.batch_size = args.tokens_per_step // per_sequence_step
     most = MAX_RANKS_PER_CORE * (os.cpu_count() or 1)
     if args.device == "cpu" and args.world_size > most:
         raise UsageError("--world-size", f"invalid value {args.world_size}: at most {most} here ({MAX_RANKS_PER_CORE} "
@@ -696,6 +813,14 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_plot(args.plot)
 
 
+def model_summary(args: argparse.Namespace) -> str:
+    """E.g. "bench preset, 27.3M parameters, 2 ranks x 4 sequences x 128 tokens = 1,024 tokens per step"."""
+    parameters = param_count(get_config(args.preset, **({"n_layers": args.layers} if args.layers else {})))
+    tokens = args.world_size * args.batch_size * args.seq_len
+    return (f"{args.preset} preset, {parameters / 1e6:.1f}M parameters, {args.world_size} ranks x {args.batch_size} "
+            f"sequences x {args.seq_len} tokens = {tokens:,} tokens per step")
+
+
 def run(args: argparse.Namespace) -> int:
     from dmuon.tools.hardware import OtherJobsCpu
 
@@ -705,6 +830,8 @@ def run(args: argparse.Namespace) -> int:
         for package, reason in missing.items():
             print(f"peer {package} skipped: {reason}", file=sys.stderr)
     started = time.perf_counter()
+    # a wall-clock time every rank can read: when no extra round may end later
+    args.deadline = time.time() + args.max_seconds if args.max_seconds else None
     n = len(args.configs)
     print(f"dmuon bench: {args.preset} preset, {args.world_size} {args.device} ranks x {args.threads} thread(s), "
           f"{n} configurations", file=sys.stderr, flush=True)
@@ -726,7 +853,7 @@ def run(args: argparse.Namespace) -> int:
     rounds_seconds = sum(sum(r.rounds("step_ms")) * max(1, args.steps_per_round) for r in measured.values()) / 1e3
     load = Load(others.cores_used_in_last(rounds_seconds), os.cpu_count() or 1)
     results = [dataclasses.replace(measured[name], peak_mem_bytes=peaks.get(name, 0)) for name in args.configs]
-    print(format_table(results, load))
+    print(format_table(results, load, about=model_summary(args), verbose=args.verbose))
     print(f"(bench took {time.perf_counter() - started:.0f} s)", file=sys.stderr)
     if args.device == "cuda":
         from dmuon.tools.throughput import gpu_report

@@ -174,6 +174,7 @@ class Workload:
     wire_itemsize: int = 4  # dmuon's default comm dtype: the (fp32) gradient's
     split: bool = True  # whether the planner may split matrices over gangs of ranks (dmuon's default)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ready_order: bool = False  # buckets in the backward pass's order (early start), not the cost order
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -236,7 +237,8 @@ def _plan(units: list[Unit], workload: Workload) -> Plan:
         owners = plan_ownership([u.name for u in units], [u.flops for u in units],
                                 [u.m * u.n * workload.wire_itemsize for u in units], workload.world_size)
     return make_plan(units, workload.world_size, _replicas(workload), bucket_bytes=workload.bucket_bytes,
-                     flops_per_byte=0.0 if owners else DEFAULT_FLOPS_PER_BYTE, owners=owners)
+                     flops_per_byte=0.0 if owners else DEFAULT_FLOPS_PER_BYTE, owners=owners,
+                     ready_order=workload.ready_order)
 
 
 def build_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...]]:

@@ -74,6 +74,9 @@ class HardwareProfile:
     # (kind, fraction of the link bandwidth a ring collective of RING_BYTES reaches); 1 if absent
     collective_efficiency: tuple[tuple[str, float], ...] = ()
     check_rate: float | None = None  # elements/s of the non-finite check; None: memory-bound
+    # early start's capacity: the share of the backward pass's time in which Newton–Schulz on a
+    # stream of its own gets the device (0 on CPU: the hooks run on the backward pass's thread)
+    backward_idle_fraction: float = 0.0
     source: str = ""
 
     def matmul_flops(self, dtype: torch.dtype) -> float:
@@ -112,13 +115,17 @@ _DATASHEET_EFFICIENCY = 790 / 989
 # A typical forward+backward utilization of dense LLM training on these GPUs (an assumption;
 # override it per run).
 DEFAULT_GPU_MFU = 0.4
+# Early start's capacity on GPUs, from one measurement (BENCHMARKS.md, "Early start"): on an H200,
+# one process, a 4-layer Llama-3.2-3B, early start hid 11–23 ms of a 57–70 ms optimizer overhead
+# in a backward pass of about 283 ms: 4–8 % of it. An assumption elsewhere; override it per profile.
+BACKWARD_IDLE_FRACTION = 0.06
 
 PROFILES: dict[str, HardwareProfile] = {
     "h100": HardwareProfile(
         "h100", "cuda", bf16_flops=989 * TERA, fp16_flops=989 * TERA, fp32_flops=67 * TERA,
         memory_bandwidth=3.35e12, intra_bandwidth=450 * GB, intra_latency=_NVLINK_LATENCY,
         inter_bandwidth=50 * GB, inter_latency=_IB_LATENCY, ranks_per_node=8,
-        matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU,
+        matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU, backward_idle_fraction=BACKWARD_IDLE_FRACTION,
         source="H100 SXM datasheet: 989 TFLOP/s bf16/fp16 dense, 67 fp32 (non-tensor), 3.35 TB/s; "
                "NVLink 4, InfiniBand NDR",
     ),
@@ -126,7 +133,7 @@ PROFILES: dict[str, HardwareProfile] = {
         "h200", "cuda", bf16_flops=790 * TERA, fp16_flops=790 * TERA, fp32_flops=67 * TERA,
         memory_bandwidth=4.3e12, intra_bandwidth=450 * GB, intra_latency=_NVLINK_LATENCY,
         inter_bandwidth=50 * GB, inter_latency=_IB_LATENCY, ranks_per_node=8,
-        matmul_efficiency=1.0, mfu=DEFAULT_GPU_MFU,
+        matmul_efficiency=1.0, mfu=DEFAULT_GPU_MFU, backward_idle_fraction=BACKWARD_IDLE_FRACTION,
         source="H200 measured: 790 TFLOP/s bf16 products (fp16 assumed equal: same tensor cores), "
                "4.3 TB/s device copy (datasheet 989 / 4.8); fp32 67 TFLOP/s datasheet; NVLink 4, NDR",
     ),
@@ -134,7 +141,7 @@ PROFILES: dict[str, HardwareProfile] = {
         "a100", "cuda", bf16_flops=312 * TERA, fp16_flops=312 * TERA, fp32_flops=19.5 * TERA,
         memory_bandwidth=2.0e12, intra_bandwidth=300 * GB, intra_latency=_NVLINK_LATENCY,
         inter_bandwidth=25 * GB, inter_latency=_IB_LATENCY, ranks_per_node=8,
-        matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU,
+        matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU, backward_idle_fraction=BACKWARD_IDLE_FRACTION,
         source="A100 SXM datasheet: 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 2.0 TB/s; NVLink 3 "
                "600 GB/s (300 each way); InfiniBand HDR 200 Gb/s per GPU (assumed)",
     ),
@@ -142,7 +149,7 @@ PROFILES: dict[str, HardwareProfile] = {
         "a800", "cuda", bf16_flops=312 * TERA, fp16_flops=312 * TERA, fp32_flops=19.5 * TERA,
         memory_bandwidth=2.0e12, intra_bandwidth=200 * GB, intra_latency=_NVLINK_LATENCY,
         inter_bandwidth=25 * GB, inter_latency=_IB_LATENCY, ranks_per_node=8,
-        matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU,
+        matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU, backward_idle_fraction=BACKWARD_IDLE_FRACTION,
         source="A800 SXM datasheet: as A100 but NVLink 400 GB/s (200 each way); "
                "InfiniBand HDR 200 Gb/s per GPU (assumed)",
     ),
@@ -150,7 +157,7 @@ PROFILES: dict[str, HardwareProfile] = {
         "b200", "cuda", bf16_flops=2250 * TERA, fp16_flops=2250 * TERA, fp32_flops=80 * TERA,
         memory_bandwidth=8.0e12, intra_bandwidth=900 * GB, intra_latency=_NVLINK_LATENCY,
         inter_bandwidth=50 * GB, inter_latency=_IB_LATENCY, ranks_per_node=8,
-        matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU,
+        matmul_efficiency=_DATASHEET_EFFICIENCY, mfu=DEFAULT_GPU_MFU, backward_idle_fraction=BACKWARD_IDLE_FRACTION,
         source="B200 (HGX, 1000 W) public datasheet: 2250 TFLOP/s bf16/fp16 "
                "dense, 80 fp32, 8 TB/s HBM3e; NVLink 5 1.8 TB/s (900 each way); 400 Gb/s NIC per GPU",
     ),

@@ -15,15 +15,16 @@ def test_table_ratios():
         BenchResult("fsdp-torch-muon", 2, 80.0, 180.0, None, 2**21, 4.0),
         BenchResult("fsdp-dmuon", 2, 20.0, 110.0, 1234 * 2**20, 3 * 2**19, 4.0),  # sent: 1,234 MiB
     ]
-    table = format_table(results)
-    dmuon_row = next(line for line in table.splitlines() if line.startswith("fsdp-dmuon"))
-    assert "0.25" in dmuon_row and "1.10" in dmuon_row and "1,234" in dmuon_row and "1.50" in dmuon_row
-    assert "0.12 of vanilla Muon's" in table  # (110 - 100) / (180 - 100)
+    table = format_table(results, verbose=True)
+    rows = [line for line in table.splitlines() if line.startswith("fsdp-dmuon")]
+    assert "1.10" in rows[0] and "+10.0%" in rows[0] and "0.25" in rows[0] and "1.50" in rows[0]
+    assert "1,234" in rows[1]  # --verbose: the bytes
+    assert "  fsdp-dmuon         step 1.10x AdamW (+10%); 0.61x vanilla Muon (-39%)" in table
 
 
 def test_tiny_run_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0",
+    assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--max-seconds", "0",
                  "--configs", "fsdp-adamw,fsdp-dmuon,ownerz2-dmuon", "--json", str(out)]) == 0
     records = json.loads(out.read_text())
     assert [r["config"] for r in records] == ["fsdp-adamw", "fsdp-dmuon", "ownerz2-dmuon"]
@@ -40,6 +41,12 @@ def test_tiny_run_writes_json(tmp_path):
                                "opt_step_vs_vanilla_min", "opt_step_vs_vanilla_max", "step_vs_adamw",
                                "step_vs_adamw_min", "step_vs_adamw_max", "mem_vs_adamw", "other_jobs_cores",
                                "warnings", "trustworthy",
+                               # added: the 95 % intervals' relative half-widths
+                               "opt_step_vs_vanilla_halfwidth", "step_vs_adamw_halfwidth",
+                               "opt_step_efficiency_halfwidth",
+                               # added: the step against vanilla Muon's
+                               "step_vs_vanilla", "step_vs_vanilla_min", "step_vs_vanilla_max",
+                               "step_vs_vanilla_halfwidth",
                                # added: the busiest rank's Newton–Schulz alone per round, over the opt step
                                "round_ns_alone_ms", "opt_step_efficiency", "opt_step_efficiency_min",
                                "opt_step_efficiency_max"}
@@ -51,7 +58,7 @@ def test_tiny_run_writes_json(tmp_path):
 
 def test_bf16_wire_configuration_sends_half_the_bytes_of_the_exact_one(tmp_path):
     out = tmp_path / "bench.json"
-    assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--memory-steps", "0",
+    assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--memory-steps", "0", "--max-seconds", "0",
                  "--configs", "fsdp-dmuon,fsdp-dmuon-bf16wire", "--json", str(out)]) == 0
     exact, bf16 = json.loads(out.read_text())
     assert bf16["config"] == "fsdp-dmuon-bf16wire"

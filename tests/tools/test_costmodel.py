@@ -162,6 +162,25 @@ def test_simulator_never_beats_the_lower_bound(model, world, mode, hardware):
     assert p.dmuon_step_ms >= p.adamw_step_ms - p.adamw_opt_ms + p.dmuon_opt_ms - 1e-9 or mode == "owner"
 
 
+@pytest.mark.parametrize("world", [8, 64])
+def test_early_start_hides_at_most_the_idle_backward_time_and_never_the_last_bucket(world):
+    from dmuon.tools.simulate import BACKWARD_SHARE
+
+    w = workload("llama-3.1-8b", world)
+    p = predict(w)
+    backward_ms = BACKWARD_SHARE * p.forward_backward_ms
+    assert 0 < p.early_start_hidden_ms <= H100.backward_idle_fraction * backward_ms + 1e-9
+    assert p.dmuon_early_opt_ms > 0  # the last bucket waits for step()
+    # early start's own plan (whole matrices, buckets in the backward order) with what it hides
+    assert p.dmuon_early_step_ms == pytest.approx(p.dmuon_step_ms - p.dmuon_opt_ms + p.dmuon_early_opt_ms)
+    assert p.early_overhead_vs_adamw < p.overhead_vs_adamw
+    # DDP and owner mode do not run early start; nor does a CPU, where the hooks share the cores
+    for other in (dataclasses.replace(w, mode="ddp"), dataclasses.replace(w, mode="owner"),
+                  dataclasses.replace(w, profile=dataclasses.replace(H100, backward_idle_fraction=0.0))):
+        q = predict(other)
+        assert q.early_start_hidden_ms == 0 and q.dmuon_early_step_ms == pytest.approx(q.dmuon_step_ms)
+
+
 def test_no_overlap_hardware_adds_communication():
     overlapped = workload("qwen2.5-1.5b", 8, layers=4)
     serial = dataclasses.replace(overlapped, profile=dataclasses.replace(H100, comm_overlaps_compute=False))

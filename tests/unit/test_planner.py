@@ -12,7 +12,7 @@ import pytest
 from dmuon.layout import Layout, chunk_sizes
 from dmuon.tools.models import get_config, matrix_shapes
 from dmuon.orthogonalization import newton_schulz_flops
-from dmuon.planner import Unit, make_plan, owner_cost, split_replicas_is_cheaper
+from dmuon.planner import DEFAULT_FLOPS_PER_BYTE, Unit, make_plan, owner_cost, split_replicas_is_cheaper
 
 
 def llama_units(preset: str, world: int, replicas: int = 1, layers: int | None = None) -> list[Unit]:
@@ -171,3 +171,19 @@ def test_empty_matrices_are_planned_at_no_cost():
     assert sorted(i for b in plan.buckets for i in b) == [0, 1, 2, 3]
     assert sum(plan.flops(p) for p in range(2)) == units[3].flops
     assert not set(choose_gangs(units, gang_costs(units, configs), 2)) & {0, 1, 2}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8, 64])
+def test_early_start_buckets_follow_the_backward_pass_and_balance_each_bucket(world):
+    """ready_order (early start): buckets in the model's order reversed, every matrix once, at most
+    about eight buckets, each with a matrix per rank at least and balanced on its own."""
+    units = llama_units("llama-3.1-8b", world, layers=8)
+    plan = make_plan(units, world, ready_order=True)
+    flat = [u for bucket in plan.buckets for u in bucket]
+    assert flat == list(reversed(range(len(units))))
+    assert len(plan.buckets) <= 9
+    costs = [owner_cost(u, world, DEFAULT_FLOPS_PER_BYTE) for u in units]
+    for bucket in plan.buckets[:-1]:
+        assert len(bucket) >= world
+        loads = [sum(costs[u] for u in bucket if plan.owners[u] == p) for p in range(world)]
+        assert max(loads) <= sum(loads) / world + max(costs[u] for u in bucket) + 1e-12  # the LPT bound
