@@ -7,7 +7,10 @@
 #      against the Triton one-triangle kernel per size (the data for a cut-off);
 #   3. the side-by-side training table on one GPU (all three from dmuon bench --device cuda);
 #   4. CUDA graphs: replayed Newton–Schulz against eager (results, time), Muon steps with and
-#      without cuda_graphs (bitwise), and the host synchronizations of one step.
+#      without cuda_graphs (bitwise), and the host synchronizations of one step;
+#   5. early start: one process, AdamW vs dmuon with and without it, and early start's plan with
+#      its buckets begun in the backward pass vs all run at step() (bitwise), on the bench preset
+#      and on 4 layers of Llama-3.2-3B's shapes; FSDP2 on one GPU with and without it.
 # Usage: bash benchmarks/gpu_check.sh [OUTPUT_DIR]   (default: gpu_check_results/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,3 +67,9 @@ print("Muon steps with and without CUDA graphs:",
 PY
 dmuon bench --device cuda --world-size 1 --steps 5 --warmup 2 --batch-size 16 --seq-len 512 \
     --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
+python benchmarks/early_start.py --device cuda --preset bench --batch-size 16 --seq-len 512 --rounds 10 \
+    --json "$out/early_start_bench.json" 2>&1 | tee "$out/early_start_bench.txt"
+python benchmarks/early_start.py --device cuda --preset llama-3.2-3b --layers 4 --batch-size 4 --seq-len 1024 \
+    --rounds 8 --json "$out/early_start_3b.json" 2>&1 | tee "$out/early_start_3b.txt"
+dmuon bench --device cuda --world-size 1 --preset bench --batch-size 16 --seq-len 512 --steps 6 --warmup 2 \
+    --configs fsdp-adamw,fsdp-dmuon,fsdp-dmuon-atstep --max-seconds 0 2>&1 | tee "$out/early_start_fsdp.txt"

@@ -28,10 +28,13 @@ Memory: the held updates are one tensor per Muon parameter (this rank's piece), 
 momentum; with the momentum, the state is then AdamW's two tensors per parameter.
 
 Where it pays: ``early_start=None`` (the default) turns it on for CUDA parameters, where the
-run's own stream fills the backward pass's idle time (measured on an H200, one process, a
-4-layer Llama-3.2-3B: +13.0 % → +10.6 % step time over AdamW), and off on CPU, where the hooks run
-on the backward pass's own thread and there is no idle time to fill (measured, ``dmuon bench``
-FSDP2 at 2 ranks on 2 cores: 1.47× AdamW's step with it, 1.35× without). ``True`` forces it.
+run's own stream fills the backward pass's idle time (measured on an H200 with 4 layers of
+Llama-3.2-3B's shapes: one process +13.7 % → +9.9 % step time over AdamW, FSDP2 +10.6 % → +8.3 %),
+and off on CPU, where the hooks run on the backward pass's own thread and there is no idle time
+to fill (``dmuon bench`` FSDP2 at 2 ranks on 2 cores, settled after 7 rounds: 1.57× ±9 % AdamW's
+step with it, 1.61× ±10 % without: no gain beyond the noise, for the held updates' memory). It does not pay on small models whose step is bound by kernel launches (the 27M
+``bench`` preset under FSDP2 on the H200: +40 % → +65 %): pass ``early_start=False`` there.
+``True`` forces it.
 
 Where a parameter's gradient is not final when the hook runs (DDP: its all-reduce comes after;
 owner sharding: the owner's reduce comes after), or where the step plan has strategies that do
@@ -224,7 +227,7 @@ class EarlyStart:
         params = [t.param for t in plan.targets]
         if why is None and not wanted(self.setting, params[0].device.type):
             why = ("on CPU it does not pay: the hooks run on the backward pass's own thread, which leaves no idle "
-                   "time to fill (early_start=True forces it)")
+                   "time to fill (measured no faster beyond the noise; early_start=True forces it)")
         if why is not None:
             self.status = f"off: {why}"
             self._remove_hooks()

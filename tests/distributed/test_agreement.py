@@ -74,6 +74,22 @@ def extra_named_matrix_on_rank_1() -> None:
     dmuon.Muon([{"params": named[: 2 + dist.get_rank()], "algorithm": "muon"}], lr=0.01)
 
 
+def processors_of_two_kinds() -> None:
+    """Rank 0 on a CPU with native bf16 products, rank 1 on one that emulates them: ns_dtype=None
+    would resolve to bf16 on one and fp32 on the other."""
+    import os
+
+    from dmuon import orthogonalization
+
+    os.environ[orthogonalization.CPU_BF16_OVERRIDE] = "native" if dist.get_rank() == 0 else "emulated"
+    orthogonalization._cpu_bf16_native.cache_clear()
+    try:
+        muon(make_params())
+    finally:
+        del os.environ[orthogonalization.CPU_BF16_OVERRIDE]
+        orthogonalization._cpu_bf16_native.cache_clear()
+
+
 def bad_lr_on_rank_1() -> None:
     muon(make_params(), weight_decay=float("inf") if dist.get_rank() == 1 else 0.1)
 
@@ -113,6 +129,8 @@ def sparse_gradient_on_rank_1() -> None:
      r"muon on rank 1"),
     (load_on_rank_0_only,
      r"RuntimeError: Ranks are in different optimizer calls: some called load_state_dict, others step"),
+    (processors_of_two_kinds, r"ValueError: Ranks disagree .*what ns_dtype=None resolves to is .*bfloat16 .*on rank 0 "
+                              r"but .*float32 \(no AVX512-BF16 or AMX"),
 ])
 def test_every_rank_raises_the_same_error(fn, expected):
     assert_same_error(run_on_ranks(2, error_of, fn), expected)
