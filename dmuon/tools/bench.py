@@ -572,10 +572,13 @@ def verdict(results: list[BenchResult], about: str = "") -> list[str]:
             if isinstance(ratio, Ratio):
                 parts.append(f"{ratio.median:.2f}x {baseline} ({ratio.median - 1:+.0%}"
                              + (f" ±{ratio.halfwidth:.0%})" if ratio.halfwidth is not None else ")"))
-        lines.append(f"  {r.config:<18} step " + "; ".join(parts)
-                     + ("; Newton-Schulz begun in the backward pass" if r.config.endswith("-early") else ""))
+        if parts:
+            lines.append(f"  {r.config:<18} step " + "; ".join(parts)
+                         + ("; Newton-Schulz begun in the backward pass" if r.config.endswith("-early") else ""))
     left = unsettled(results)
-    if rounds < 2:
+    if len(lines) == 1:
+        lines.append("  no AdamW or vanilla Muon of the same mode in this run: no ratios (see the table)")
+    elif rounds < 2:
         lines.append("  one round: no interval (use --steps 4 or more)")
     elif left:
         lines.append(f"  NOT settled after {rounds} rounds, the time budget spent (--max-seconds): "

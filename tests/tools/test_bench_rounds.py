@@ -286,3 +286,10 @@ def test_the_verdict_states_the_model_and_the_tokens_per_step():
                                          "2,048 tokens per step")
     with pytest.raises(Exception, match="--tokens-per-step"):
         bench.check_arguments(parser.parse_args(["--preset", "bench", "--tokens-per-step", "1000"]))
+
+
+def test_a_run_without_baselines_says_it_has_no_ratios():
+    alone = BenchResult("fsdp-dmuon", 2, 50.0, 150.0, None, 0, 4.0, (50.0, 50.0), (150.0, 150.0))
+    table = format_table([alone], Load(0.0, 2))
+    assert "no AdamW or vanilla Muon of the same mode in this run: no ratios" in table
+    assert "settled" not in table and "WARNING" not in table
