@@ -46,7 +46,9 @@ On CUDA the early work runs on a stream of its own, so that it can overlap the b
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -213,7 +215,10 @@ class EarlyStart:
     def __init__(self, setting: bool | None) -> None:
         self.setting = setting
         self.status = "off (early_start=False)" if setting is False else "not yet: it starts after the first step"
-        self._hooks: dict[int, Any] = {}  # id(param) -> hook handle
+        # id(param) -> hook handle. The hooks hold this object weakly, and go when it goes: a
+        # parameter must not keep an optimizer that was dropped alive, nor run its work.
+        self._hooks: dict[int, Any] = {}
+        weakref.finalize(self, _remove, self._hooks)
         self._run: _Run | None = None
         self._stream: Any = None
 
@@ -234,7 +239,8 @@ class EarlyStart:
             return
         if set(self._hooks) != {id(p) for p in params}:
             self._remove_hooks()
-            self._hooks = {id(p): p.register_post_accumulate_grad_hook(self._ready) for p in params}
+            ready = partial(_ready_weakly, weakref.ref(self))
+            self._hooks.update({id(p): p.register_post_accumulate_grad_hook(ready) for p in params})
         if params[0].device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(device=params[0].device)
         self._run = _Run(plan, state, context, start_step, self._stream)
@@ -266,12 +272,26 @@ class EarlyStart:
                       "silence this.", stacklevel=4)
 
     def _remove_hooks(self) -> None:
-        for handle in self._hooks.values():
-            handle.remove()
-        self._hooks = {}
+        _remove(self._hooks)
+
+    def __deepcopy__(self, memo: dict) -> EarlyStart:
+        return EarlyStart(self.setting)  # a copy of an optimizer starts without hooks or a run
 
     def __getstate__(self) -> dict[str, Any]:
         return {"setting": self.setting, "status": self.status}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self.__init__(saved["setting"])
+
+
+def _ready_weakly(early: weakref.ref, p: Tensor) -> None:
+    """A parameter's hook: tell its optimizer's early start, if that still exists."""
+    alive = early()
+    if alive is not None:
+        alive._ready(p)
+
+
+def _remove(hooks: dict[int, Any]) -> None:
+    for handle in hooks.values():
+        handle.remove()
+    hooks.clear()

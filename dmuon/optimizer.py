@@ -152,6 +152,10 @@ class Muon(torch.optim.Optimizer):
             warnings.warn(blind, stacklevel=5)  # _build <- build <- agreed_call <- __init__ <- the caller
         self._order_buckets()
         self.plans  # detects every layout now: an unsupported one raises before any collective
+        here = self._stepped_here()
+        if options.early_start and here:  # early_start=True where the layouts cannot run it: raised now, on every rank
+            self._early.check(self._planner.build(None, here, self._group_label, self._collective_device()),
+                              self._compiled)
 
     def _make_engine(self) -> None:
         """The compiled kernels, the engine and its planner, from the options (again after a
@@ -238,8 +242,11 @@ class Muon(torch.optim.Optimizer):
     @property
     def plans(self) -> list[Plan]:
         """The plan of each exchange group (usually one): owners, buckets, bytes; see Plan.table()."""
-        here = [e for e in param_groups.muon_entries(self.param_groups) if steps_here(e[1])]
-        return self._engine.plans_for(self._planner.works(here))
+        return self._engine.plans_for(self._planner.works(self._stepped_here()))
+
+    def _stepped_here(self) -> list:
+        """The Muon entries this rank steps (all, unless owner-sharded to other ranks)."""
+        return [e for e in param_groups.muon_entries(self.param_groups) if steps_here(e[1])]
 
     @property
     def plan(self) -> Plan:
@@ -354,13 +361,16 @@ class Muon(torch.optim.Optimizer):
                 # then names every parameter, as torch.distributed.checkpoint requires to load.
                 self.state[p]
         entries = [e for e in muon if id(e[1]) in stepped]
-        pieces = update_momentum_of(entries, self.state, self._kernels)
         adamw = partial(adamw_steps, self.param_groups, self.state, stepped)
         if not entries:
             adamw()
+            self._arm_early_start()
             return loss
         # the plan kept, unless what it depends on changed; AdamW runs while the exchange waits
         plan = self._plan = self._planner.plan_for(self._plan, entries, self._group_label, self._collective_device())
+        if self._early.setting:  # early_start=True where this plan cannot run it: raised before anything moves
+            self._early.check(plan, self._compiled)
+        pieces = update_momentum_of(entries, self.state, self._kernels)
         values = StepValues(plan, pieces, self._kernels, self._update_squares, adamw)
         if run is not None and early == USED and run.plan is plan:
             for held in run.values.held:  # the updates the backward pass computed, on the same inputs
@@ -369,8 +379,6 @@ class Muon(torch.optim.Optimizer):
         else:
             if run is not None:
                 self._engine.start_step()  # the statistics count this step's run, not the unused one
-            if self._early.setting:  # early_start=True where it cannot run: said before anything moves
-                self._early.check(plan, self._compiled)
             self._engine.run(plan.prepared, values)
         self._arm_early_start()
         return loss

@@ -121,12 +121,22 @@ def test_an_abandoned_backward_is_not_applied():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
-def test_early_start_true_where_it_cannot_run_raises():
-    model = _tiny()
-    opt = dmuon.Muon(model, early_start=True, compile=True)
-    model(torch.randn(2, 32)).sum().backward()
+def test_early_start_true_where_it_cannot_run_raises_at_construction():
     with pytest.raises(ValueError, match="early_start=True: compile"):
-        opt.step()
+        dmuon.Muon(_tiny(), early_start=True, compile=True)
+
+
+def _ddp_with_early_start() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    dmuon.Muon(DistributedDataParallel(_tiny()), early_start=True)
+
+
+def test_early_start_true_under_ddp_raises_on_every_rank_before_any_step():
+    from tests.helpers import assert_same_error, error_of
+
+    assert_same_error(run_on_ranks(2, error_of, _ddp_with_early_start),
+                      r"ValueError: Invalid early_start=True: .*replicated \(DDP\)")
 
 
 def test_state_dict_round_trip_between_backward_and_step():
@@ -176,3 +186,16 @@ def test_column_wise_tensor_parallel_early_start_gives_the_same_bits(world):
         assert on["status"] == "on" and on["early_buckets"][0] == on["early_buckets"][1] >= 1
         for name, value in on["params"].items():
             assert torch.equal(value, off["params"][name]), name
+
+
+def test_a_dropped_optimizer_leaves_no_hook_behind():
+    """The hooks hold the optimizer weakly: once it is gone, a backward pass runs none of its work."""
+    import gc
+
+    model, opt = _train(True, steps=1)
+    assert opt.early_start == "on"
+    assert all(p._post_accumulate_grad_hooks for p in model.parameters() if p.ndim == 2)
+    del opt
+    gc.collect()
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    model(torch.randn(8, 32)).sum().backward()  # nothing to run, nothing raised
