@@ -820,7 +820,8 @@ def model_summary(args: argparse.Namespace) -> str:
     """E.g. "bench preset, 27.3M parameters, 2 ranks x 4 sequences x 128 tokens = 1,024 tokens per step"."""
     parameters = param_count(get_config(args.preset, **({"n_layers": args.layers} if args.layers else {})))
     tokens = args.world_size * args.batch_size * args.seq_len
-    return (f"{args.preset} preset, {parameters / 1e6:.1f}M parameters, {args.world_size} ranks x {args.batch_size} "
+    size = f"{parameters / 1e6:.1f}M" if parameters >= 100_000 else f"{parameters:,}"
+    return (f"{args.preset} preset, {size} parameters, {args.world_size} ranks x {args.batch_size} "
             f"sequences x {args.seq_len} tokens = {tokens:,} tokens per step")
 
 

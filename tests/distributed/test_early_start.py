@@ -43,6 +43,8 @@ def test_early_start_gives_the_same_bits_as_the_step_at_step(parallel, world, dt
         assert buckets > 1 and begun == buckets  # the last bucket's NS waits for step(); all began
         assert off["early_buckets"] == (0, 0)
         _same(on, off)
+    for other in ons[1:]:  # every rank's view of every parameter, bitwise the same
+        _same(other, ons[0])
 
 
 def test_ddp_falls_back_and_says_why():
