@@ -133,12 +133,12 @@ class EarlyValues(StepValues):
         pass  # AdamW runs at step()
 
 
-def read_mark(p: Tensor, buf: Tensor, group: dict[str, Any]) -> tuple:
-    """What a Newton–Schulz input was made of: the gradient (object and version), the buffer's
-    version, and the momentum options."""
+def read_mark(p: Tensor, buf: Tensor, group: dict[str, Any]) -> tuple[tuple, tuple]:
+    """What a Newton–Schulz input was made of: the gradient (object and version); and the
+    buffer (object and version) with the momentum options."""
     grad = p.grad
-    return (id(grad), local(grad)._version if grad is not None else None, buf._version,
-            group["momentum"], group["nesterov"])
+    return ((id(grad), local(grad)._version if grad is not None else None),
+            (id(buf), buf._version, group["momentum"], group["nesterov"]))
 
 
 class _Run:
@@ -195,17 +195,24 @@ class _Run:
     def code(self, state: dict) -> int:
         """Whether this rank can apply the held updates (:attr:`dmuon.agreement.Agreed.early`):
         0 when the run read the gradients and buffers that are there now, unchanged, with the same
-        momentum options; 1 when a gradient is missing; 2 when one changed after it was read."""
+        momentum options; 1 when a gradient is missing or the state changed (a loaded state dict,
+        a changed momentum); 2 when a gradient changed after it was read."""
         if self.repeated:
             return CHANGED
+        code = USED
         for target in self.plan.targets:
             p = target.param
             buf = state.get(p, {}).get("momentum_buffer")
-            if buf is None or p.grad is None:
-                return NOT_USED
-            if self.values.read.get(id(p)) != read_mark(p, local(buf), target.group):
+            read = self.values.read.get(id(p))
+            if buf is None or p.grad is None or read is None:
+                code = max(code, NOT_USED)
+                continue
+            gradient, state_now = read_mark(p, local(buf), target.group)
+            if read[0] != gradient:
                 return CHANGED
-        return USED
+            if read[1] != state_now:
+                code = max(code, NOT_USED)
+        return code
 
 
 class EarlyStart:

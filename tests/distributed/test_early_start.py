@@ -142,7 +142,8 @@ def test_early_start_true_under_ddp_raises_on_every_rank_before_any_step():
 
 
 def test_state_dict_round_trip_between_backward_and_step():
-    """load_state_dict between backward() and step(): the step uses the loaded momentum."""
+    """load_state_dict between backward() and step(): the step uses the loaded momentum, and
+    early start stays on (its run is not used once, as the state it read is gone)."""
     model, opt = _train(True, steps=2)
     reference, ref_opt = _train(False, steps=2)
     saved = ref_opt.state_dict()
@@ -153,6 +154,7 @@ def test_state_dict_round_trip_between_backward_and_step():
         o.load_state_dict(copy.deepcopy(saved))  # loading keeps the given tensors: one copy each
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    assert opt.early_start == "on" and opt.last_step_stats.early_buckets == (0, 0)
 
 
 def _column_wise_tp(early_start: bool) -> dict:
