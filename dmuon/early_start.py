@@ -106,12 +106,11 @@ class EarlyValues(StepValues):
         self.read: dict[int, tuple] = {}  # id(param) -> what the inputs were made of
 
     def inputs(self, indices: Sequence[int]) -> list[Tensor]:
-        by_group: dict[int, list[Tensor]] = {}
+        by_group: dict[int, tuple[dict[str, Any], list[Tensor]]] = {}
         for i in indices:
-            p = self.plan.targets[i].param
-            by_group.setdefault(id(self.plan.targets[i].group), []).append(p)
-        for params in by_group.values():
-            group = next(t.group for t in self.plan.targets if t.param is params[0])
+            target = self.plan.targets[i]
+            by_group.setdefault(id(target.group), (target.group, []))[1].append(target.param)
+        for group, params in by_group.values():
             bufs = [local(self.state[p]["momentum_buffer"]) for p in params]
             # a gradient that is missing here (the run is being finished at step()): zeros stand
             # in, and step() finds the missing gradient and does not use the run
