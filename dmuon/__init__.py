@@ -2,13 +2,16 @@
 
 Public API: :class:`Muon` (the optimizer), :func:`shard_by_owner` (owner-sharded data
 parallel for the Muon matrices), :func:`clip_grad_norm_` (global-norm clipping for every
-layout), :func:`newton_schulz` (the orthogonalization core).
+layout), :class:`QKClip` (MuonClip: attention logits kept under a threshold, every layout),
+:func:`newton_schulz` (the orthogonalization core).
 """
 
 from dmuon.clipping import clip_grad_norm_
 from dmuon.orthogonalization import newton_schulz
 from dmuon.optimizer import Muon
 from dmuon.owner import OwnerSharding, shard_by_owner
+from dmuon.qk_clip import AttentionLayer, QKClip, max_logits
 
-__all__ = ["Muon", "OwnerSharding", "clip_grad_norm_", "newton_schulz", "shard_by_owner"]
+__all__ = ["AttentionLayer", "Muon", "OwnerSharding", "QKClip", "clip_grad_norm_", "max_logits", "newton_schulz",
+           "shard_by_owner"]
 __version__ = "0.1.0"

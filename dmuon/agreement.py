@@ -41,7 +41,7 @@ from dmuon.exchange import CommCounter, all_gather_bytes, all_reduce_max
 Fingerprint = Sequence[tuple[str, str]]
 Words = tuple[int, int, int]
 
-ENTRIES = ("construction", "add_param_group", "load_state_dict", "step", "shard_by_owner")
+ENTRIES = ("construction", "add_param_group", "load_state_dict", "step", "shard_by_owner", "QKClip construction")
 _WORD_BITS = 21
 # the header's fields, by position
 _ENTRY, _DIGEST, _FAILED, _NUMBER, _NONFINITE, _MISSING, _EARLY = 0, 2, 8, 9, 10, 11, 17

@@ -141,6 +141,7 @@ class Muon(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._number: int | None = None  # agreed after this
         self._update_squares: dict[str, list] = {}  # group label -> [sum of squares, elements], last step
+        self._statistics_sources: list[Callable[[], dict[str, float]]] = []  # more figures (QK-clip's)
         self._options = options
         self._early = EarlyStart(options.early_start)
         self._symmetric_by_shape: dict[tuple[int, int], str] = {}  # "auto": measured at construction
@@ -269,15 +270,19 @@ class Muon(torch.optim.Optimizer):
         most about 0.2 with ``match_rms_adamw``, less for low-rank gradients), ``lr/<group>``,
         ``ns_seconds``, ``ns_gflop``, ``matrices``, ``bytes_sent``, ``collectives``,
         ``skipped_steps``. ``<group>`` is the group's ``"name"`` or its index in ``param_groups``.
+        With a :class:`dmuon.QKClip` on this optimizer, also its ``qk_clip/…`` figures (the job's).
 
         This rank's own figures by default, with no collective (on CUDA, reading them waits for
         the step's kernels). ``all_ranks=True`` (collective: every rank must call it) makes them
         the job's: update RMS over whole matrices, sums of the counts, the slowest rank's
         ``ns_seconds``.
         """
-        return step_statistics(self._engine.stats, self._update_squares, self.param_groups, self._group_label,
-                               self.skipped_steps, self._agreement_group() if all_ranks else None,
-                               self._collective_device())
+        figures = step_statistics(self._engine.stats, self._update_squares, self.param_groups, self._group_label,
+                                  self.skipped_steps, self._agreement_group() if all_ranks else None,
+                                  self._collective_device())
+        for source in self._statistics_sources:
+            figures.update(source())
+        return figures
 
     # ------------------------------------------------------------------ state
 
@@ -304,12 +309,16 @@ class Muon(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         """All of the optimizer but its engine, planner, plan and compiled kernels, which are
-        rebuilt from the options (a deep copy or an unpickled optimizer can step)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_engine", "_kernels", "_model", "_planner", "_plan")}
+        rebuilt from the options (a deep copy or an unpickled optimizer can step), and, as
+        torch.optim drops them, its step hooks (a :class:`dmuon.QKClip` stays with the original)."""
+        left_out = ("_engine", "_kernels", "_model", "_planner", "_plan", "_statistics_sources",
+                    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+        return {k: v for k, v in self.__dict__.items() if k not in left_out}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._model = lambda: None
+        self._statistics_sources = []
         self._make_engine()
         self._order_buckets()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -162,6 +163,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        # called with the rotated q and k when set (dmuon.QKClip.for_model records max logits through it)
+        self.qk_logits_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x.shape
@@ -171,6 +174,8 @@ class Attention(nn.Module):
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        if self.qk_logits_hook is not None:
+            self.qk_logits_hook(q, k)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim))
 

@@ -1,0 +1,500 @@
+"""QK-clip (MuonClip): keep every attention head's largest logit under a threshold τ.
+
+After each optimizer step, a head h whose largest pre-softmax logit S_h in that step exceeded τ
+has its query rows (weight and bias) scaled by γ_h^α and its key rows by γ_h^(1−α), with
+γ_h = τ/S_h, so that the same inputs would now give a logit of at most τ; heads under τ are not
+touched, and the update rule is unchanged (Kimi K2's MuonClip; α = 0.5 by default). With
+grouped-query attention a key head serves several query heads: it takes γ of the largest of
+their logits, and each query head its own, so every head's logit still ends ≤ τ.
+
+**Where S comes from.** The model hands each layer's per-head maxima of the step to
+:meth:`QKClip.record` (from its own attention kernel), or lets :func:`max_logits` compute them
+from q and k: one extra q·kᵀ product per layer, in chunks (about half the matmul FLOPs of the
+attention itself, never the full score matrix at once). :meth:`QKClip.for_model` finds the
+attention modules it knows (Hugging Face Llama-like ``q_proj``/``k_proj`` and GPT-2 ``c_attn``
+modules, and dmuon's own test model) and records for them: for Hugging Face models through
+their public attention-function registry, with no change to the model. Records are taken only
+while autograd is on (a training forward), and their maximum is kept over micro-batches.
+
+**Exact in every layout.** After the step, one all-reduce (max) over the job turns each rank's
+records into the job's: data-parallel ranks saw other batches, tensor-parallel ranks other
+heads. Every rank then derives the same scales (on the CPU, in fp32) and multiplies the rows of
+q and k it holds: a whole replica (one process, DDP), its ``Shard`` rows (FSDP2, HSDP,
+column-wise tensor parallel), the owner's copy (owner sharding). An element-wise product gives
+the same bits wherever a row lives, so replicas stay identical and a sharded run matches one
+process. A step that the optimizer skipped (a non-finite gradient) clips nothing.
+
+Construction is collective under torch.distributed: the ranks compare their layers and settings
+before any data moves. Bad records (a wrong head count, a non-finite value, an unknown layer)
+raise the same error on every rank at the step, before any weight changes.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from dmuon.agreement import agreed_call
+from dmuon.exchange import all_reduce_max, default_device, job_group
+from dmuon.layout import owned_by, piece_of
+
+SCORES_PER_CHUNK = 1 << 24  # max_logits holds at most this many fp32 scores at a time (64 MiB)
+HF_ATTENTION = "dmuon_qk_logits"  # the name max-logit recording registers in transformers' registry
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionLayer:
+    """Where one attention layer's query and key heads live.
+
+    Head h of the queries is ``head_dim`` consecutive output features of ``q_weight`` from
+    ``q_offset + h·head_dim``; likewise the key heads in ``k_weight``. ``out_dim`` is the weight
+    dimension that indexes output features: 0 for ``nn.Linear``, 1 for GPT-2's ``Conv1D``. A
+    fused QKV weight is both ``q_weight`` and ``k_weight``, with the key block's offset.
+    """
+
+    q_weight: Tensor
+    k_weight: Tensor
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int | None = None  # None: as many as query heads
+    q_offset: int = 0
+    k_offset: int = 0
+    out_dim: int = 0
+    q_bias: Tensor | None = None
+    k_bias: Tensor | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    def targets(self) -> list[tuple[str, Tensor, int, int]]:
+        """(what, tensor, its output dim, first row) of every tensor the clip scales."""
+        found = [("q_weight", self.q_weight, self.out_dim, self.q_offset),
+                 ("k_weight", self.k_weight, self.out_dim, self.k_offset)]
+        found += [("q_bias", self.q_bias, 0, self.q_offset)] if self.q_bias is not None else []
+        found += [("k_bias", self.k_bias, 0, self.k_offset)] if self.k_bias is not None else []
+        return found
+
+
+def check_layer(name: str, layer: AttentionLayer, in_optimizer: set[int]) -> None:
+    """Raise a ValueError naming the layer and the value if ``layer`` is not a consistent
+    description of parameters the optimizer updates."""
+    for key in ("num_heads", "head_dim"):
+        value = getattr(layer, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Invalid {key}={value!r} for attention layer {name!r}. Must be an int >= 1.")
+    kv = layer.kv_heads
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or layer.num_heads % kv:
+        raise ValueError(f"Invalid num_kv_heads={kv!r} for attention layer {name!r}: it must divide "
+                         f"num_heads={layer.num_heads}.")
+    if layer.out_dim not in (0, 1):
+        raise ValueError(f"Invalid out_dim={layer.out_dim!r} for attention layer {name!r}. Must be 0 or 1.")
+    for what, tensor, out_dim, offset in layer.targets():
+        if not isinstance(tensor, Tensor):
+            raise ValueError(f"{what} of attention layer {name!r} is a {type(tensor).__name__}, not a tensor.")
+        if tensor.ndim != (2 if what.endswith("weight") else 1):
+            raise ValueError(f"{what} of attention layer {name!r} has shape {tuple(tensor.shape)}; a weight "
+                             "must be 2-D and a bias 1-D.")
+        heads = layer.num_heads if what.startswith("q") else kv
+        end = offset + heads * layer.head_dim
+        if offset < 0 or end > tensor.shape[out_dim]:
+            raise ValueError(f"Attention layer {name!r}: {heads} heads of {layer.head_dim} from row {offset} need "
+                             f"rows up to {end}, but {what} has {tensor.shape[out_dim]} along dim {out_dim} (shape "
+                             f"{tuple(tensor.shape)}).")
+        if id(tensor) not in in_optimizer:
+            raise ValueError(f"{what} of attention layer {name!r} (shape {tuple(tensor.shape)}) is not a parameter "
+                             "of the optimizer: QK-clip scales the weights the optimizer updates.")
+    if layer.q_weight is layer.k_weight:
+        q_end = layer.q_offset + layer.num_heads * layer.head_dim
+        k_end = layer.k_offset + kv * layer.head_dim
+        if layer.q_offset < k_end and layer.k_offset < q_end:
+            raise ValueError(f"Attention layer {name!r}: the query rows [{layer.q_offset}, {q_end}) and key rows "
+                             f"[{layer.k_offset}, {k_end}) of its fused weight overlap.")
+
+
+# ---------------------------------------------------------------- the clip's math (pure)
+
+
+def head_scales(maxima: Tensor, threshold: float, alpha: float, kv_heads: int) -> tuple[Tensor, Tensor]:
+    """Per query head and per key head, the factor its rows are multiplied by (fp32, CPU): γ^α
+    and γ^(1−α) with γ = τ/S where S > τ, else 1. A key head's S is the largest of its query
+    heads' (grouped-query attention: consecutive query heads share a key head)."""
+    maxima = maxima.to(torch.float32)
+    per_key = maxima.view(kv_heads, -1).amax(dim=1)
+
+    def scale(s: Tensor, power: float) -> Tensor:
+        over = s > threshold
+        gamma = torch.where(over, threshold / torch.where(over, s, torch.ones_like(s)), torch.ones_like(s))
+        return gamma.pow(power)
+
+    return scale(maxima, alpha), scale(per_key, 1.0 - alpha)
+
+
+def row_scales(rows: int, blocks: list[tuple[int, Tensor]], head_dim: int) -> Tensor:
+    """A factor per output row of one tensor: 1, but ``head_dim`` rows per head of each
+    (first row, per-head factors) block."""
+    out = torch.ones(rows, dtype=torch.float32)
+    for offset, per_head in blocks:
+        out[offset:offset + per_head.numel() * head_dim] = per_head.repeat_interleave(head_dim)
+    return out
+
+
+def scale_rows_(tensor: Tensor, out_dim: int, scales: Tensor) -> None:
+    """Multiply, in place, the output rows of ``tensor`` this rank holds by ``scales`` (one per
+    row of the whole tensor): a plain tensor whole, a DTensor its local piece (only the
+    placements that split ``out_dim`` cut the scales), an owner-sharded weight on its owner."""
+    owned = owned_by(tensor)
+    if owned is not None and not owned.is_mine:
+        return  # its owner scales it; the copies here are refreshed from the owner before use
+    shape = [1] * tensor.ndim
+    shape[out_dim] = -1
+    scales = scales.view(shape)
+    if isinstance(tensor, DTensor):
+        placements = [p if isinstance(p, Shard) and p.dim == out_dim else Replicate() for p in tensor.placements]
+        local = tensor.to_local()
+        scales = piece_of(scales.to(local.device), tensor.device_mesh, placements)
+    else:
+        local = tensor.data
+    local.mul_(scales.to(local.device))  # computed in fp32, rounded once to the tensor's dtype
+
+
+# ---------------------------------------------------------------- recording the logits
+
+
+def max_logits(q: Tensor, k: Tensor, scale: float | None = None, *, causal: bool = True,
+               attention_mask: Tensor | None = None) -> Tensor:
+    """The largest pre-softmax logit ``scale·q·kᵀ`` of each query head, over the batch and every
+    position the mask lets through (fp32, shape ``(num_heads,)``).
+
+    ``q``: (batch, heads, queries, head_dim); ``k``: (batch, kv_heads, keys, head_dim), kv_heads
+    dividing heads (grouped-query attention, consecutive query heads sharing a key head).
+    ``scale``: default head_dim^-½. ``attention_mask``: broadcastable to (batch, heads, queries,
+    keys), bool (True: attend) or additive float; without it, ``causal`` masks key j > query i.
+    Costs one q·kᵀ product, in chunks of at most ``SCORES_PER_CHUNK`` scores."""
+    batch, heads, queries, head_dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"q has {heads} heads and k {kv_heads}: the key heads must divide the query heads.")
+    scale = head_dim ** -0.5 if scale is None else scale
+    with torch.no_grad():
+        q = q.detach().reshape(batch, kv_heads, heads // kv_heads, queries, head_dim)
+        k = k.detach().unsqueeze(2)
+        best = torch.full((heads,), -math.inf, dtype=torch.float32, device=q.device)
+        rows = max(1, SCORES_PER_CHUNK // max(1, batch * heads * keys))
+        for start in range(0, queries, rows):
+            stop = min(queries, start + rows)
+            scores = (q[:, :, :, start:stop] @ k.transpose(-1, -2)).reshape(batch, heads, stop - start, keys)
+            scores = scores.float() * scale
+            if attention_mask is not None:
+                mask = attention_mask[..., start:stop, :]
+                scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+            elif causal:
+                i = torch.arange(start, stop, device=q.device)[:, None]
+                scores = scores.masked_fill(torch.arange(keys, device=q.device)[None, :] > i, -math.inf)
+            best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+    return best
+
+
+def _attention_heads(module: nn.Module) -> tuple[int | None, int | None, int | None]:
+    """(query heads, key heads, head_dim) as a module names them (its own attributes, then its
+    Hugging Face config's)."""
+    config = getattr(module, "config", None)
+
+    def first(*names: str) -> int | None:
+        for owner, name in [(module, n) for n in names] + [(config, n) for n in names]:
+            value = getattr(owner, name, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    heads = first("num_heads", "n_heads", "num_attention_heads")
+    return heads, first("num_key_value_heads", "n_kv_heads") or heads, first("head_dim")
+
+
+def attention_layer_of(module: nn.Module) -> AttentionLayer | None:
+    """The :class:`AttentionLayer` of a module this file recognises, else None: separate
+    ``q_proj``/``k_proj`` linears (Hugging Face Llama, Mistral, Qwen…; dmuon's test model) or a
+    GPT-2 ``c_attn`` (a ``Conv1D`` of queries, keys and values side by side along dim 1)."""
+    heads, kv_heads, head_dim = _attention_heads(module)
+    if heads is None or head_dim is None:
+        return None
+    q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+    if isinstance(getattr(q, "weight", None), Tensor) and isinstance(getattr(k, "weight", None), Tensor):
+        return AttentionLayer(q.weight, k.weight, heads, head_dim, kv_heads, q_bias=getattr(q, "bias", None),
+                              k_bias=getattr(k, "bias", None))
+    fused, split = getattr(module, "c_attn", None), getattr(module, "split_size", None)
+    if isinstance(getattr(fused, "weight", None), Tensor) and isinstance(split, int):
+        return AttentionLayer(fused.weight, fused.weight, heads, head_dim, kv_heads, q_offset=0, k_offset=split,
+                              out_dim=1, q_bias=getattr(fused, "bias", None), k_bias=getattr(fused, "bias", None))
+    return None
+
+
+def _recording_attention(module: nn.Module, query: Tensor, key: Tensor, *args: Any, **kwargs: Any) -> Any:
+    """The attention function registered in transformers under ``HF_ATTENTION``: records the
+    module's max logits, then runs the implementation the model had."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # only ever called by transformers
+
+    recorder = getattr(module, "_dmuon_qk_recorder", None)
+    if recorder is not None and torch.is_grad_enabled():
+        mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        causal = kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else causal
+        recorder(max_logits(query, key, kwargs.get("scaling"), causal=causal and query.shape[2] > 1,
+                            attention_mask=mask))
+    inner = module._dmuon_inner_attention
+    function = ALL_ATTENTION_FUNCTIONS[inner] if inner != "eager" else module._dmuon_eager_attention
+    return function(module, query, key, *args, **kwargs)
+
+
+def _record_through_transformers(model: nn.Module, modules: dict[str, nn.Module],
+                                 recorder: Callable[[str], Callable[[Tensor], None]]) -> None:
+    """Route a transformers model's attention through :func:`_recording_attention` (its public
+    ``AttentionInterface.register`` and ``set_attn_implementation``)."""
+    import importlib
+
+    from transformers import AttentionInterface
+
+    inner = model.config._attn_implementation
+    if inner == HF_ATTENTION:
+        raise ValueError("This model already records max logits for another QKClip; build one QKClip per model.")
+    AttentionInterface.register(HF_ATTENTION, _recording_attention)
+    for name, module in modules.items():
+        module._dmuon_inner_attention = inner
+        # the model file's own eager function: eager is not in the registry
+        source = importlib.import_module(type(module).__module__)
+        module._dmuon_eager_attention = getattr(source, "eager_attention_forward", None)
+        module._dmuon_qk_recorder = recorder(name)
+    model.set_attn_implementation(HF_ATTENTION)
+
+
+# ---------------------------------------------------------------- the clip
+
+
+NOT_RECORDED = -math.inf
+_OK, _NONFINITE, _BAD_RECORD = 0.0, 1.0, 2.0
+
+
+class QKClip:
+    """QK-clip for the attention layers of a model trained by ``optimizer`` (see the module's
+    docstring). ``layers``: name → :class:`AttentionLayer`, the same on every rank.
+
+    ``threshold``: τ, the largest logit a head may keep (Kimi K2 used 100); ``alpha``: the
+    share of the scaling that goes to the queries. Runs after every ``optimizer.step()`` (a
+    step post-hook), with one all-reduce; :meth:`statistics` (and a dmuon ``Muon``'s
+    ``statistics()``) give the last step's figures. It keeps no state: checkpoints are
+    unchanged. Collective under torch.distributed (every rank constructs it).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, layers: Mapping[str, AttentionLayer], *,
+                 threshold: float = 100.0, alpha: float = 0.5, process_group: dist.ProcessGroup | None = None) -> None:
+        self.optimizer, self.threshold, self.alpha = optimizer, threshold, alpha
+        self.layers = dict(layers)
+        self._group = job_group(process_group)
+        self._slots: dict[str, slice] = {}
+        self._records: Tensor | None = None
+        self._problems: dict[str, str] = {}
+        self._unknown: list[str] = []
+        self._last: dict[str, float] = {}
+        self._warned: set[str] = set()
+
+        def build() -> list[tuple[str, str]]:
+            self._check()
+            return self._fingerprint()
+
+        agreed_call("QKClip construction", build, self._group, self._device, what="QK-clip configuration")
+        start = 0
+        for name, layer in self.layers.items():
+            self._slots[name] = slice(start, start + layer.num_heads)
+            start += layer.num_heads
+        self._heads = start  # query heads of all layers: the records' length
+        self._skipped_before = 0
+        self._handles = [optimizer.register_step_pre_hook(self._before_step),
+                         optimizer.register_step_post_hook(self._after_step)]
+        sources = getattr(optimizer, "_statistics_sources", None)
+        if sources is not None:
+            sources.append(self.statistics)
+
+    @classmethod
+    def for_model(cls, optimizer: torch.optim.Optimizer, model: nn.Module, *, threshold: float = 100.0,
+                  alpha: float = 0.5, process_group: dist.ProcessGroup | None = None) -> QKClip:
+        """A QKClip for every attention module of ``model`` that :func:`attention_layer_of`
+        recognises, named by module path, recording their max logits itself (a Hugging Face
+        model through its attention registry, dmuon's own model through its hook).
+        ``model`` may be wrapped (DDP, FSDP2, owner sharding). Raises if it finds none."""
+        modules = {name.removeprefix("module."): m for name, m in model.named_modules()
+                   if attention_layer_of(m) is not None}
+        if not modules:
+            raise ValueError(f"No attention module that QKClip recognises in {type(model).__name__}: describe the "
+                             "layers with AttentionLayer, build QKClip(optimizer, layers), and call record() from "
+                             "your attention.")
+        clip = cls(optimizer, {name: attention_layer_of(m) for name, m in modules.items()}, threshold=threshold,
+                   alpha=alpha, process_group=process_group)
+        hooked = {name: m for name, m in modules.items() if hasattr(m, "qk_logits_hook")}
+        for name, module in hooked.items():
+            module.qk_logits_hook = clip._logits_recorder(name)
+        others = {name: m for name, m in modules.items() if name not in hooked}
+        if others:
+            inner = getattr(model, "module", model)
+            if getattr(getattr(inner, "config", None), "_attn_implementation", None) is None:
+                raise ValueError(f"QKClip cannot record the logits of {sorted(others)} by itself: call "
+                                 "clip.record(name, max_logits(q, k)) from their attention.")
+            _record_through_transformers(inner, others, clip._logits_recorder)
+        return clip
+
+    # ------------------------------------------------------------ construction
+
+    def _device(self) -> torch.device:
+        first = next(iter(self.layers.values()), None)
+        if first is not None and isinstance(first.q_weight, Tensor) and first.q_weight.device.type != "meta":
+            weight = first.q_weight
+            return (weight.to_local() if isinstance(weight, DTensor) else weight).device
+        return default_device(self._group) if self._group is not None else torch.device("cpu")
+
+    def _check(self) -> None:
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not (
+                math.isfinite(self.threshold) and self.threshold > 0):
+            raise ValueError(f"Invalid threshold={self.threshold!r}. Must be a finite number > 0.")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
+            raise ValueError(f"Invalid alpha={self.alpha!r}. Must be in [0, 1].")
+        if not self.layers:
+            raise ValueError("QKClip needs at least one attention layer.")
+        in_optimizer = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        for name, layer in self.layers.items():
+            if not isinstance(layer, AttentionLayer):
+                raise ValueError(f"Attention layer {name!r} is a {type(layer).__name__}, not an AttentionLayer.")
+            check_layer(name, layer, in_optimizer)
+        positions = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        self._positions = {name: tuple(positions[id(t)] for _, t, _, _ in layer.targets())
+                           for name, layer in self.layers.items()}
+
+    def _fingerprint(self) -> list[tuple[str, str]]:
+        rows = [("threshold", repr(float(self.threshold))), ("alpha", repr(float(self.alpha)))]
+        for name, layer in self.layers.items():
+            shapes = [tuple(t.shape) for _, t, _, _ in layer.targets()]
+            rows.append((f"attention layer {name!r}", repr((layer.num_heads, layer.kv_heads, layer.head_dim,
+                                                            layer.q_offset, layer.k_offset, layer.out_dim, shapes,
+                                                            self._positions[name]))))
+        return rows
+
+    def remove(self) -> None:
+        """Stop clipping: remove the step hooks."""
+        for handle in self._handles:
+            handle.remove()
+
+    # ------------------------------------------------------------ recording
+
+    def record(self, name: str, values: Tensor, heads: slice | None = None) -> None:
+        """Record layer ``name``'s per-head max logits for this step (any device; kept: the
+        maximum over calls until the step). ``heads``: which query heads ``values`` covers
+        (tensor parallel: this rank's); default all. A wrong name or shape is reported at the
+        step, on every rank, before any weight changes."""
+        slot = self._slots.get(name)
+        if slot is None:
+            self._unknown.append(repr(name))
+            return
+        heads = heads if heads is not None else slice(0, slot.stop - slot.start)
+        start, stop, step = heads.indices(slot.stop - slot.start)
+        values = values.detach().reshape(-1) if isinstance(values, Tensor) else values
+        if step != 1 or not isinstance(values, Tensor) or values.numel() != stop - start:
+            got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+            self._problems[name] = (f"recorded {got} for heads [{start}, {stop}) of its "
+                                    f"{slot.stop - slot.start} heads (one value per head)")
+            return
+        if self._records is None:
+            self._records = torch.full((self._heads,), NOT_RECORDED, dtype=torch.float32, device=values.device)
+        part = self._records[slot.start + start:slot.start + stop]
+        torch.maximum(part, values.to(part.device, torch.float32), out=part)
+
+    def _logits_recorder(self, name: str) -> Callable[..., None]:
+        """What a watched module calls with its max logits (Hugging Face) or with q and k (dmuon's model)."""
+        def recorder(q_or_maxima: Tensor, k: Tensor | None = None) -> None:
+            if not torch.is_grad_enabled():
+                return  # evaluation: not the step's logits
+            self.record(name, q_or_maxima if k is None else max_logits(q_or_maxima, k))
+        return recorder
+
+    # ------------------------------------------------------------ after the step
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._skipped_before = getattr(optimizer, "skipped_steps", 0)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        skipped = getattr(optimizer, "skipped_steps", 0) != self._skipped_before
+        self.clip(apply=not skipped)
+
+    def clip(self, apply: bool = True) -> None:
+        """Agree on the step's records (one all-reduce max) and scale the heads over τ (unless
+        ``apply`` is False); then forget the records. Runs after every step by itself."""
+        total = self._heads
+        records = self._records if self._records is not None else torch.full((total,), NOT_RECORDED)
+        records = records.to(self._device())
+        codes = torch.zeros(len(self._slots) + 1, dtype=torch.float32, device=records.device)
+        for i, (name, slot) in enumerate(self._slots.items()):
+            part = records[slot]
+            if name in self._problems:
+                codes[i] = _BAD_RECORD
+            elif bool((part.isnan() | (part == math.inf)).any()):
+                codes[i] = _NONFINITE
+        codes[-1] = float(bool(self._unknown))
+        records = torch.where(records.isnan() | (records == math.inf), NOT_RECORDED, records)
+        values = torch.cat([records, codes])
+        all_reduce_max(values, self._group)
+        values = values.cpu()
+        problems, self._problems, unknown, self._unknown, self._records = self._problems, {}, self._unknown, [], None
+        self._raise_for(values[total:], problems, unknown)
+        self._last = {}
+        heads_clipped, best = 0, NOT_RECORDED
+        for name, slot in self._slots.items():
+            maxima, layer = values[slot], self.layers[name]
+            if bool((maxima == NOT_RECORDED).all()):
+                if name not in self._warned:
+                    self._warned.add(name)
+                    warnings.warn(f"QKClip: no rank recorded max logits for attention layer {name!r} this step, so it "
+                                  "was not clipped (record them every step; this warning is shown once per layer).",
+                                  stacklevel=2)
+                continue
+            self._last[f"qk_clip/max_logit/{name}"] = maxima.max().item()
+            best = max(best, maxima.max().item())
+            over = int((maxima > self.threshold).sum())
+            heads_clipped += over
+            if over and apply:
+                self._scale(layer, maxima)
+        self._last.update({"qk_clip/max_logit": best, "qk_clip/heads_clipped": float(heads_clipped if apply else 0)})
+
+    def _raise_for(self, codes: Tensor, problems: dict[str, str], unknown: list[str]) -> None:
+        """The same error on every rank, naming the layer, when any rank's records were bad."""
+        if codes[-1] > 0:
+            names = ", ".join(unknown) if unknown else "on another rank"
+            raise ValueError(f"QKClip.record was given a layer name it does not know ({names}); its layers are "
+                             f"{sorted(self._slots)}. Nothing was clipped.")
+        for i, name in enumerate(self._slots):
+            if codes[i] == _BAD_RECORD:
+                detail = problems.get(name, "a bad record on another rank")
+                raise ValueError(f"QKClip: attention layer {name!r}: {detail}. Nothing was clipped.")
+            if codes[i] == _NONFINITE:
+                raise FloatingPointError(f"QKClip: attention layer {name!r} recorded a non-finite max logit (NaN or "
+                                         "inf) this step. Nothing was clipped.")
+
+    def _scale(self, layer: AttentionLayer, maxima: Tensor) -> None:
+        """Multiply the rows of every tensor of ``layer`` by its heads' factors."""
+        q_scales, k_scales = head_scales(maxima, float(self.threshold), float(self.alpha), layer.kv_heads)
+        blocks: dict[int, tuple[Tensor, int, list[tuple[int, Tensor]]]] = {}
+        for what, tensor, out_dim, offset in layer.targets():
+            per_head = q_scales if what.startswith("q") else k_scales
+            blocks.setdefault(id(tensor), (tensor, out_dim, []))[2].append((offset, per_head))
+        with torch.no_grad():
+            for tensor, out_dim, parts in blocks.values():  # a fused weight or bias: scaled once
+                scale_rows_(tensor, out_dim, row_scales(tensor.shape[out_dim], parts, layer.head_dim))
+
+    def statistics(self) -> dict[str, float]:
+        """The last step's figures (the job's, the same on every rank): ``qk_clip/max_logit``,
+        ``qk_clip/heads_clipped`` (query heads scaled) and ``qk_clip/max_logit/<layer>``."""
+        return dict(self._last)
