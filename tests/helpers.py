@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
+from dmuon.layout import owned_by
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
 
 # ---------------------------------------------------------------- tensors in a layout and back
@@ -113,12 +114,14 @@ LLAMA_HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=t
 
 
 def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = torch.float32,
-                mixed_precision: bool = False, early_start: bool | None = None, bucket_bytes: int | None = None) -> dict:
+                mixed_precision: bool = False, early_start: bool | None = None, bucket_bytes: int | None = None,
+                qk_threshold: float | None = None) -> dict:
     """Train the tiny model; ``parallel`` None is the single-process reference, else "ddp",
-    "fsdp" or "hsdp" with the data split across ranks.
+    "fsdp", "hsdp" or "owner" (the blocks' matrices owner-sharded) with the data split across ranks.
 
     ``dtype``: the parameters' dtype; ``mixed_precision``: FSDP2 computes in bf16 and reduces
-    in fp32 while its sharded parameters stay fp32. ``early_start``, ``bucket_bytes``: dmuon's options.
+    in fp32 while its sharded parameters stay fp32. ``early_start``, ``bucket_bytes``: dmuon's options;
+    ``qk_threshold``: QK-clip's τ (``dmuon.QKClip.for_model``), None: no clip.
     """
     config = get_config("tiny")
     model = Llama(config, seed=0).to(dtype)
@@ -132,10 +135,13 @@ def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = t
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, **({"mp_policy": policy} if policy else {}))
         fully_shard(model, mesh=mesh, **({"mp_policy": policy} if policy else {}))
+    elif parallel == "owner":
+        dmuon.shard_by_owner(model, init_device_mesh("cpu", (world,)), layers=model.layers)
     opt = dmuon.Muon(model, replica_split=replica_split, early_start=early_start,
                      **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}), **LLAMA_HPARAMS)
+    clip = dmuon.QKClip.for_model(opt, model, threshold=qk_threshold) if qk_threshold else None
     data = SyntheticTokens(config.vocab_size, seed=0)
-    losses = []
+    losses, clipped = [], []
     for step in range(LLAMA_STEPS):
         inputs, targets = data.local_batch(step, GLOBAL_BATCH, SEQ_LEN, rank, world)
         loss = lm_loss(model, inputs, targets)
@@ -146,13 +152,26 @@ def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = t
         if parallel:
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
         losses.append(global_loss.item())
-    params = {
-        name.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for name, p in model.named_parameters()
-    }
+        if clip is not None:
+            clipped.append(clip.statistics()["qk_clip/heads_clipped"])
     state_dtypes = {v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"}
-    return dict(losses=losses, params=params, state_dtypes=state_dtypes, early_start=opt.early_start,
-                early_buckets=opt.last_step_stats.early_buckets)
+    return dict(losses=losses, params=whole_params(model), state_dtypes=state_dtypes, early_start=opt.early_start,
+                early_buckets=opt.last_step_stats.early_buckets, heads_clipped=clipped)
+
+
+def whole_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model``, whole, by name (collective: DTensors are gathered and
+    owner-sharded matrices broadcast from their owners)."""
+    params = {}
+    for name, p in model.named_parameters():
+        owned = owned_by(p)
+        if owned is None:
+            value = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        else:
+            value = p.detach().clone() if owned.is_mine else torch.empty(p.shape, dtype=p.dtype)
+            dist.broadcast(value, src=owned.owner)
+        params[name.removeprefix("module.")] = value
+    return params
 
 
 def lm_loss(model, inputs, targets):

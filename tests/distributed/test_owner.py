@@ -18,10 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon.layout import owned_by
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
 from tests.harness import run_on_ranks
-from tests.helpers import GLOBAL_BATCH, SEQ_LEN, error_of, single_process
+from tests.helpers import GLOBAL_BATCH, SEQ_LEN, error_of, single_process, whole_params
 from tests.helpers import LLAMA_HPARAMS as HPARAMS, LLAMA_STEPS as STEPS, train_llama as train_reference
 
 
@@ -90,16 +89,7 @@ def train_owner(reshard_after_forward: bool = False, accumulate: int = 1, with_f
         predicted=sharding.owned_bytes(rank),
         per_rank=[sharding.owned_bytes(r) for r in range(world)],
     )
-    params = {}
-    for name, p in model.named_parameters():
-        owned = owned_by(p)
-        if owned is None:
-            value = p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-        else:
-            value = p.detach().clone() if owned.is_mine else torch.empty(p.shape, dtype=p.dtype)
-            dist.broadcast(value, src=owned.owner)
-        params[name] = value
-    return dict(losses=losses, params=params, step_bytes=step_bytes, muon_bytes=muon_bytes(sharding),
+    return dict(losses=losses, params=whole_params(model), step_bytes=step_bytes, muon_bytes=muon_bytes(sharding),
                 seen=seen_before_forward, memory=memory, owners=sorted(set(sharding.owners.values())))
 
 
@@ -206,15 +196,7 @@ def train_small(parallel: bool, steps: int = 3, dtype: torch.dtype = torch.float
         opt.step()
     owned = [sharding.is_mine(p) for p in sharding.params] if parallel else []
     osd = get_optimizer_state_dict(model, opt) if parallel else None  # must not hang on an idle rank
-    params = {}
-    for name, p in model.named_parameters():
-        if parallel and owned_by(p) is not None:
-            value = p.detach().clone() if owned_by(p).is_mine else torch.empty(p.shape, dtype=p.dtype)
-            dist.broadcast(value, src=owned_by(p).owner)
-        else:
-            value = p.detach().clone()
-        params[name] = value
-    return dict(params=params, owned=owned, state_keys=sorted(osd["state"]) if osd else None)
+    return dict(params=whole_params(model), owned=owned, state_keys=sorted(osd["state"]) if osd else None)
 
 
 @pytest.mark.parametrize("world", [3, 4])
