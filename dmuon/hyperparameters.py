@@ -13,7 +13,7 @@ from torch import Tensor
 
 from dmuon.orthogonalization import NS_DTYPES, SYMMETRIC_PRODUCTS, NSConfig, resolve_config
 
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
 # The state of a parameter, by algorithm.
@@ -28,7 +28,8 @@ ADAMW_GROUP_KEYS = ("adamw_lr", "adamw_weight_decay", "adamw_betas", "adamw_eps"
 # Per-parameter routing, stored in each group: lists parallel to "params".
 ROUTING_KEYS = ("algorithms", "matrix_views", "route_reasons")
 # Keys a user's param group may carry besides hyperparameters ("betas": AdamW's, by its torch name).
-USER_KEYS = frozenset({"params", "param_names", "algorithm", "matrix_view", "name", "initial_lr", "betas"})
+# "use_addmm": torch.optim.Muon's, accepted and checked; dmuon's Newton–Schulz always fuses its products.
+USER_KEYS = frozenset({"params", "param_names", "algorithm", "matrix_view", "name", "initial_lr", "betas", "use_addmm"})
 # What every stored group must have (checked when a state dict is loaded).
 GROUP_KEYS = (*MUON_KEYS, *ADAMW_GROUP_KEYS, *ROUTING_KEYS, "algorithm", "base_lr")
 
@@ -117,11 +118,20 @@ def adjusted_lr_ratio(adjust_lr_fn: str | None, m: int, n: int) -> float:
     """Per-matrix lr multiplier, as in ``torch.optim.Muon``.
 
     "original" (Keller): √max(1, m/n); "match_rms_adamw" (Moonlight): 0.2·√max(m, n), which gives
-    the update the RMS of an AdamW update so AdamW's lr and weight decay carry over.
+    the update the RMS of an AdamW update so AdamW's lr and weight decay carry over;
+    "spectral_unclamped" (torch after 2.13): √(m/n), "original" without its floor of 1 for wide matrices.
     """
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(m, n))
+    if adjust_lr_fn == "spectral_unclamped":
+        return math.sqrt(m / n)
     return math.sqrt(max(1.0, m / n))
+
+
+def check_use_addmm(value: Any, where: str = "") -> None:
+    """torch.optim.Muon's ``use_addmm``: a bool (dmuon's products are always fused, as with True)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"Invalid use_addmm={value!r}{where}. Must be a bool.")
 
 
 def _check_range(name: str, value: Any, where: str, low: float, high: float | None = None,

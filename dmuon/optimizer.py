@@ -18,7 +18,7 @@ from dmuon.early_start import CHANGED, NOT_USED, USED, EarlyStart, wanted
 from dmuon.elementwise import adamw_steps, update_momentum_of
 from dmuon.engine import StepStats
 from dmuon.exchange import GroupRef, collective_device, job_group
-from dmuon.hyperparameters import EngineOptions, validate_defaults
+from dmuon.hyperparameters import EngineOptions, check_use_addmm, validate_defaults
 from dmuon.layout import owned_by, owner_shardings
 from dmuon.orthogonalization import NORMALIZATION_EPS, default_dtype_reason
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
@@ -77,6 +77,7 @@ class Muon(torch.optim.Optimizer):
         eps: float = NORMALIZATION_EPS,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = "match_rms_adamw",
+        use_addmm: bool = False,
         ns_method: str = "auto",
         ns_dtype: torch.dtype | str | None = None,
         ns_restarts: Sequence[int] | None = None,
@@ -108,6 +109,7 @@ class Muon(torch.optim.Optimizer):
                                 cuda_graphs, early_start)
 
         def build() -> Fingerprint:
+            check_use_addmm(use_addmm)  # torch.optim.Muon's switch; dmuon's products are always fused
             self._build(params, defaults, options)
             return self._fingerprint(self.param_groups)
 
@@ -292,12 +294,20 @@ class Muon(torch.optim.Optimizer):
         Checked before anything changes, naming the offending group or parameter: the groups'
         keys, hyperparameters (as the constructor checks them) and routing, and every state
         tensor's shape and layout against its parameter's; then the ranks compare the
-        configuration the state gives them. If any rank fails, every rank keeps its old state."""
+        configuration the state gives them. If any rank fails, every rank keeps its old state.
+
+        A ``torch.optim.Muon`` state dict of the same parameters in the same groups loads too: its
+        momentum buffers, and its hyperparameters (lr, weight decay, momentum, nesterov,
+        coefficients, eps, steps, adjust_lr_fn) in place of the groups'; dmuon's own options
+        (``ns_method``, ``ns_dtype``, …) stay as they are."""
         kept = self.state, self.param_groups
 
         def load() -> Fingerprint:
-            param_groups.check_loadable(state_dict, self.param_groups)
-            torch.optim.Optimizer.load_state_dict(self, state_dict)
+            loaded = state_dict
+            if param_groups.is_torch_muon_state_dict(state_dict):
+                loaded = param_groups.from_torch_muon(state_dict, self.param_groups)
+            param_groups.check_loadable(loaded, self.param_groups)
+            torch.optim.Optimizer.load_state_dict(self, loaded)
             return self._fingerprint(self.param_groups)
 
         try:

@@ -107,8 +107,8 @@ def polar_express_schedule(steps: int, safety: float = POLAR_EXPRESS_SAFETY) -> 
 
 
 def _validate_steps(steps: int) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
-        raise ValueError(f"Invalid ns_steps={steps!r}. Must be an int in [1, 100].")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < 100:
+        raise ValueError(f"Invalid ns_steps={steps!r}. Must be an int in [1, 100).")  # torch.optim.Muon's bound
 
 
 def _as_triple(item: object) -> Coefficients:

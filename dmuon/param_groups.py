@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dmuon.hyperparameters import (
-    ADAMW_GROUP_KEYS, GROUP_KEYS, MUON_KEYS, ROUTING_KEYS, STATE_KEYS, USER_KEYS, adamw_options, dtype_name,
-    validate_adamw_group, validate_muon_group,
+    ADAMW_GROUP_KEYS, GROUP_KEYS, MUON_KEYS, ROUTING_KEYS, STATE_KEYS, USER_KEYS, adamw_options, check_use_addmm,
+    dtype_name, validate_adamw_group, validate_muon_group,
 )
 from dmuon.layout import owned_by
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, Route, block_rows, default_route, matrix_shape
@@ -47,6 +47,7 @@ def build_group(param_group: dict[str, Any], defaults: dict[str, Any], index: in
     unknown = set(param_group) - USER_KEYS - set(MUON_KEYS) - set(ADAMW_GROUP_KEYS)
     if unknown:
         raise ValueError(f"Unknown option(s) {sorted(unknown)}{where}.")
+    check_use_addmm(param_group.get("use_addmm", False), where)
     algorithm = param_group.get("algorithm")
     if algorithm is not None and algorithm not in ALGORITHMS:
         raise ValueError(f"Invalid algorithm={algorithm!r}{where}. Must be one of {ALGORITHMS}.")
@@ -84,7 +85,7 @@ def route(name: str | None, param: Tensor, index: int, algorithm: str | None, vi
     """Where one parameter of a group goes: the group's ``algorithm``, else the default rule."""
     label = name or f"parameter {index}"
     if param.is_complex():
-        raise ValueError(f"Muon does not support complex parameters: {label}{where}.")
+        raise RuntimeError(f"Muon does not support complex parameters: {label}{where}.")  # torch's type
     chosen = default_route(param, name, roles.get(id(param)))
     if algorithm is not None:
         view = chosen.matrix_view if algorithm == chosen.algorithm else "auto"
@@ -113,7 +114,7 @@ def named_entries(param_group: dict[str, Any], where: str) -> list[Entry]:
     params = list(params)
     pairs = [isinstance(item, tuple) for item in params]
     if any(pairs) and not all(pairs):
-        raise TypeError(f"Parameters{where} mix (name, tensor) pairs and bare tensors: give all of them "
+        raise ValueError(f"Parameters{where} mix (name, tensor) pairs and bare tensors: give all of them "
                         "names or none.")
     names = param_group.get("param_names")
     if names is not None and len(names) != len(params):
@@ -134,7 +135,7 @@ def names_in(model: nn.Module | None) -> Callable[[list[Entry], str], list[Entry
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         missing = [i for i, (_, p) in enumerate(entries) if id(p) not in names]
         if missing:
-            raise TypeError(
+            raise ValueError(  # torch.optim raises a ValueError for named and unnamed groups mixed
                 f"The optimizer's param groups are named, but parameter {missing[0]}{where} is a bare tensor"
                 + (" that is not in the model it was built from" if model is not None else "")
                 + ": pass (name, tensor) pairs, e.g. {'params': list(module.named_parameters())}."
@@ -308,6 +309,47 @@ def validate_groups(groups: Sequence[dict[str, Any]]) -> None:
         if "muon" in group["algorithms"]:
             validate_muon_group(group, where)
         validate_adamw_group(group, where)
+
+
+# The hyperparameters a torch.optim.Muon param group stores that mean the same in dmuon.
+TORCH_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+
+
+def is_torch_muon_state_dict(state_dict: Any) -> bool:
+    """Whether ``state_dict`` is ``torch.optim.Muon``'s: groups with its hyperparameters and none
+    of dmuon's routing."""
+    saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    return bool(saved) and isinstance(saved, list) and all(
+        isinstance(g, dict) and "ns_coefficients" in g and "algorithms" not in g for g in saved)
+
+
+def from_torch_muon(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``torch.optim.Muon``'s state dict in dmuon's form, for these groups (the same parameters
+    in the same groups): each momentum buffer carried over, torch's hyperparameters
+    (``TORCH_MUON_KEYS``) in place of the groups', dmuon's own options and routing kept. Raises a
+    ValueError naming the group or parameter that does not match."""
+    saved_groups, state = state_dict["param_groups"], state_dict.get("state", {})
+    if len(saved_groups) != len(groups):
+        raise ValueError(f"The torch.optim.Muon state dict has {len(saved_groups)} param groups, this optimizer "
+                         f"{len(groups)}: build dmuon.Muon with the same groups of the same parameters.")
+    converted_groups, converted_state = [], {}
+    for g, (saved, mine) in enumerate(zip(saved_groups, groups)):
+        keys = saved.get("params", [])
+        if len(keys) != len(mine["params"]):
+            raise ValueError(f"Param group {g} of the torch.optim.Muon state dict has {len(keys)} parameters, this "
+                             f"optimizer's {len(mine['params'])}.")
+        names = names_of(mine, g)
+        for i, key in enumerate(keys):
+            if mine["algorithms"][i] != "muon":
+                raise ValueError(f"Parameter {names[i]!r} is routed to {mine['algorithms'][i]} here, so its "
+                                 "torch.optim.Muon momentum cannot carry over: give its group "
+                                 "\"algorithm\": \"muon\" (see routing_summary()).")
+            if "momentum_buffer" in state.get(key, {}):
+                converted_state[key] = {"momentum_buffer": state[key]["momentum_buffer"]}
+        group = {k: v for k, v in mine.items() if k != "params"}
+        group.update({k: saved[k] for k in TORCH_MUON_KEYS if k in saved}, params=list(keys))
+        converted_groups.append(group)
+    return {"state": converted_state, "param_groups": converted_groups}
 
 
 def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:

@@ -36,12 +36,16 @@ _DEFAULTS = {name: inspect.signature(Muon.__init__).parameters[name].default for
 
 def lr_factor(adjust_lr_fn: str | None, m: int, n: int) -> float:
     """The lr multiplier of an m×n matrix (its own copy, not the fast path's): "original" or
-    None (Keller) √max(1, m/n); "match_rms_adamw" (Moonlight) 0.2·√max(m, n)."""
+    None (Keller) √max(1, m/n); "match_rms_adamw" (Moonlight) 0.2·√max(m, n);
+    "spectral_unclamped" √(m/n)."""
     if adjust_lr_fn in (None, "original"):
         return math.sqrt(max(1.0, m / n))
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(m, n))
-    raise ValueError(f"Invalid adjust_lr_fn={adjust_lr_fn!r}. Must be None, 'original' or 'match_rms_adamw'.")
+    if adjust_lr_fn == "spectral_unclamped":
+        return math.sqrt(m / n)
+    raise ValueError(f"Invalid adjust_lr_fn={adjust_lr_fn!r}. Must be None, 'original', 'match_rms_adamw' or "
+                     "'spectral_unclamped'.")
 
 
 class ReferenceMuon(torch.optim.Optimizer):

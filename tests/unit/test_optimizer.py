@@ -209,7 +209,7 @@ def test_adamw_options():
     (dict(weight_decay=-0.1), "weight_decay=-0.1"),
     (dict(eps=0.0), "eps=0.0"),
     (dict(ns_steps=0), "ns_steps=0"),
-    (dict(ns_steps=101), "ns_steps=101"),
+    (dict(ns_steps=100), "ns_steps=100"),
     (dict(ns_coefficients=(1.0, 2.0)), "coefficients"),
     (dict(ns_coefficients="fast"), "ns_coefficients='fast'"),
     (dict(ns_method="svd"), "ns_method='svd'"),
@@ -251,7 +251,7 @@ def test_bad_param_groups_raise_naming_the_problem():
         dmuon.Muon([{"params": [net.hidden.weight]}, {"params": [net.experts], "momentum": 2}])
     with pytest.raises(TypeError, match="set"):
         dmuon.Muon({net.hidden.weight})
-    with pytest.raises(ValueError, match="complex"):
+    with pytest.raises(RuntimeError, match="complex"):
         dmuon.Muon([nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))])
 
 
@@ -624,7 +624,7 @@ def test_a_deep_copy_and_an_unpickled_optimizer_step_like_the_original():
 
 def test_mixed_named_and_bare_parameters_are_rejected():
     net = make_net()
-    with pytest.raises(TypeError, match="mix \\(name, tensor\\) pairs and bare tensors"):
+    with pytest.raises(ValueError, match="mix \\(name, tensor\\) pairs and bare tensors"):
         dmuon.Muon([("hidden.weight", net.hidden.weight), net.experts])
 
 
@@ -706,7 +706,7 @@ def test_add_param_group_with_bare_tensors_finds_their_names_in_the_model():
     assert opt.param_groups[1]["param_names"] == ["extra.weight", "extra.bias"]
     assert opt.param_groups[1]["algorithms"] == ["muon", "adamw"]
     other = nn.Linear(3, 3)
-    with pytest.raises(TypeError, match="not in the model it was built from: pass \\(name, tensor\\) pairs"):
+    with pytest.raises(ValueError, match="not in the model it was built from: pass \\(name, tensor\\) pairs"):
         opt.add_param_group({"params": list(other.parameters())})
     assert len(opt.param_groups) == 2
 
