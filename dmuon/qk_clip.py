@@ -35,6 +35,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -255,16 +256,14 @@ def _recording_attention(module: nn.Module, query: Tensor, key: Tensor, *args: A
 
 
 def _record_through_transformers(model: nn.Module, modules: dict[str, nn.Module],
-                                 recorder: Callable[[str], Callable[[Tensor], None]]) -> None:
+                                 recorder: Callable[[str], Callable[[Tensor], None]]) -> Callable[[], None]:
     """Route a transformers model's attention through :func:`_recording_attention` (its public
-    ``AttentionInterface.register`` and ``set_attn_implementation``)."""
+    ``AttentionInterface.register`` and ``set_attn_implementation``); return what undoes it."""
     import importlib
 
     from transformers import AttentionInterface
 
     inner = model.config._attn_implementation
-    if inner == HF_ATTENTION:
-        raise ValueError("This model already records max logits for another QKClip; build one QKClip per model.")
     AttentionInterface.register(HF_ATTENTION, _recording_attention)
     for name, module in modules.items():
         module._dmuon_inner_attention = inner
@@ -273,6 +272,20 @@ def _record_through_transformers(model: nn.Module, modules: dict[str, nn.Module]
         module._dmuon_eager_attention = getattr(source, "eager_attention_forward", None)
         module._dmuon_qk_recorder = recorder(name)
     model.set_attn_implementation(HF_ATTENTION)
+
+    def undo() -> None:
+        model.set_attn_implementation(inner)
+        for module in modules.values():
+            module._dmuon_qk_recorder = None
+    return undo
+
+
+def _recording_taken(model: nn.Module, hooked: dict[str, nn.Module]) -> list[str]:
+    """The attention modules whose max logits another QKClip records already."""
+    taken = [name for name, m in hooked.items() if m.qk_logits_hook is not None]
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == HF_ATTENTION:
+        taken.append(type(model).__name__)
+    return taken
 
 
 # ---------------------------------------------------------------- the clip
@@ -294,7 +307,8 @@ class QKClip:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, layers: Mapping[str, AttentionLayer], *,
-                 threshold: float = 100.0, alpha: float = 0.5, process_group: dist.ProcessGroup | None = None) -> None:
+                 threshold: float = 100.0, alpha: float = 0.5, process_group: dist.ProcessGroup | None = None,
+                 _check_model: Callable[[], None] = lambda: None) -> None:
         self.optimizer, self.threshold, self.alpha = optimizer, threshold, alpha
         self.layers = dict(layers)
         self._group = job_group(process_group)
@@ -304,9 +318,11 @@ class QKClip:
         self._unknown: list[str] = []
         self._last: dict[str, float] = {}
         self._warned: set[str] = set()
+        self._undo: list[Callable[[], None]] = []  # for_model's recording, removed by remove()
 
         def build() -> list[tuple[str, str]]:
             self._check()
+            _check_model()
             return self._fingerprint()
 
         agreed_call("QKClip construction", build, self._group, self._device, what="QK-clip configuration")
@@ -335,18 +351,27 @@ class QKClip:
             raise ValueError(f"No attention module that QKClip recognises in {type(model).__name__}: describe the "
                              "layers with AttentionLayer, build QKClip(optimizer, layers), and call record() from "
                              "your attention.")
-        clip = cls(optimizer, {name: attention_layer_of(m) for name, m in modules.items()}, threshold=threshold,
-                   alpha=alpha, process_group=process_group)
         hooked = {name: m for name, m in modules.items() if hasattr(m, "qk_logits_hook")}
+        others = {name: m for name, m in modules.items() if name not in hooked}
+        inner = getattr(model, "module", model)  # under DDP
+
+        def can_record() -> None:  # checked with the layers, before the ranks compare them
+            if others and getattr(getattr(inner, "config", None), "_attn_implementation", None) is None:
+                raise ValueError(f"QKClip cannot record the logits of {sorted(others)} by itself: build "
+                                 "QKClip(optimizer, layers) and call clip.record(name, max_logits(q, k)) from their "
+                                 "attention.")
+            taken = _recording_taken(inner, hooked)
+            if taken:
+                raise ValueError(f"Another QKClip records the max logits of {taken[0]!r} already: remove() it first "
+                                 "(one QKClip per model).")
+
+        clip = cls(optimizer, {name: attention_layer_of(m) for name, m in modules.items()}, threshold=threshold,
+                   alpha=alpha, process_group=process_group, _check_model=can_record)
         for name, module in hooked.items():
             module.qk_logits_hook = clip._logits_recorder(name)
-        others = {name: m for name, m in modules.items() if name not in hooked}
+            clip._undo.append(partial(setattr, module, "qk_logits_hook", None))
         if others:
-            inner = getattr(model, "module", model)
-            if getattr(getattr(inner, "config", None), "_attn_implementation", None) is None:
-                raise ValueError(f"QKClip cannot record the logits of {sorted(others)} by itself: call "
-                                 "clip.record(name, max_logits(q, k)) from their attention.")
-            _record_through_transformers(inner, others, clip._logits_recorder)
+            clip._undo.append(_record_through_transformers(inner, others, clip._logits_recorder))
         return clip
 
     # ------------------------------------------------------------ construction
@@ -385,9 +410,15 @@ class QKClip:
         return rows
 
     def remove(self) -> None:
-        """Stop clipping: remove the step hooks."""
+        """Stop clipping: remove the step hooks and the recording :meth:`for_model` installed."""
         for handle in self._handles:
             handle.remove()
+        for undo in self._undo:
+            undo()
+        self._undo = []
+        sources = getattr(self.optimizer, "_statistics_sources", [])
+        if self.statistics in sources:
+            sources.remove(self.statistics)
 
     # ------------------------------------------------------------ recording
 

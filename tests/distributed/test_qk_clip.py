@@ -23,23 +23,27 @@ from tests.helpers import (
 
 HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, ns_method="standard", ns_dtype=torch.float32)
 TAU, HEAD_DIM, DIM, STEPS = 1.0, 3, 10, 2
-NAMES = ["q", "k", "qkv_rows", "qkv_cols"]
+NAMES = ["q", "k", "qkv_rows", "qkv_cols", "q_bias", "k_bias", "qkv_bias"]
+MATRICES = 4  # the first four: Muon's; the biases get no gradient, so only the clip moves them
 
 
-def shapes(world: int) -> list[tuple[int, int]]:
+def shapes(world: int) -> list[tuple[int, ...]]:
     """q and k of a grouped-query layer (2·world query heads, world key heads: whole heads on
-    each tensor-parallel rank), a fused QKV along dim 0 and one along dim 1 (GPT-2's Conv1D)."""
+    each tensor-parallel rank), a fused QKV along dim 0 and one along dim 1 (GPT-2's Conv1D);
+    then the biases of q, k and the fused QKV."""
     heads, kv = 2 * world, world
     fused = (heads + 2 * kv) * HEAD_DIM
-    return [(heads * HEAD_DIM, DIM), (kv * HEAD_DIM, DIM), (fused, DIM), (DIM, fused)]
+    return [(heads * HEAD_DIM, DIM), (kv * HEAD_DIM, DIM), (fused, DIM), (DIM, fused),
+            (heads * HEAD_DIM,), (kv * HEAD_DIM,), (fused,)]
 
 
 def layers_of(params: list[torch.Tensor], world: int, fused: bool) -> dict[str, AttentionLayer]:
     heads, kv = 2 * world, world
-    layers = {"sep": AttentionLayer(params[0], params[1], heads, HEAD_DIM, kv)}
+    layers = {"sep": AttentionLayer(params[0], params[1], heads, HEAD_DIM, kv, q_bias=params[4], k_bias=params[5])}
     if fused:
         k_rows = heads * HEAD_DIM
-        layers["rows"] = AttentionLayer(params[2], params[2], heads, HEAD_DIM, kv, k_offset=k_rows)
+        layers["rows"] = AttentionLayer(params[2], params[2], heads, HEAD_DIM, kv, k_offset=k_rows,
+                                        q_bias=params[6], k_bias=params[6])
         layers["cols"] = AttentionLayer(params[3], params[3], heads, HEAD_DIM, kv, k_offset=k_rows, out_dim=1)
     return layers
 
@@ -60,13 +64,15 @@ def clip_steps(layout: str | None, dtype: torch.dtype, world: int, recorders: in
         mesh, placements = placements_for(layout, world) if layout else (None, None)
     params = [nn.Parameter(as_layout(t.to(dtype), mesh, placements)) for t in full_tensors(shapes(world), seed=0)]
     if layout:
-        opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": NAMES}], **HPARAMS)
+        opt = dmuon.Muon([{"params": params[:MATRICES], "algorithm": "muon", "param_names": NAMES[:MATRICES]},
+                          {"params": params[MATRICES:], "algorithm": "adamw", "param_names": NAMES[MATRICES:]}],
+                         **HPARAMS)
     else:
         opt = ReferenceMuon(params, **HPARAMS)
     clip = QKClip(opt, layers_of(params, world, fused), threshold=TAU)
     clipped = []
     for step in range(STEPS):
-        for p, g in zip(params, full_tensors(shapes(world), seed=100 + step)):
+        for p, g in zip(params[:MATRICES], full_tensors(shapes(world)[:MATRICES], seed=100 + step)):
             p.grad = as_layout(g.to(dtype), mesh, placements)
         for i, name in enumerate(clip.layers):
             heads = 2 * world
@@ -127,22 +133,27 @@ def test_training_with_the_clip_matches_one_process(clipped_reference, parallel,
             assert torch.equal(value, results[0]["params"][name]), name
 
 
+def plain_params_and_optimizer() -> tuple[list[nn.Parameter], dmuon.Muon]:
+    params = [nn.Parameter(t.clone()) for t in full_tensors(shapes(2), seed=0)]
+    return params, dmuon.Muon([{"params": params, "param_names": NAMES}], **HPARAMS)
+
+
 def a_bad_record_on_one_rank() -> dict:
-    init = full_tensors(shapes(2), seed=0)
-    params = [nn.Parameter(t.clone()) for t in init]
-    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": NAMES}], **HPARAMS)
-    clip = QKClip(opt, layers_of(params, 2, fused=True), threshold=TAU)
-    for name in clip.layers:
-        clip.record(name, torch.full((4,), 10 * TAU))
-    if dist.get_rank() == 1:
-        clip.record("sep", torch.ones(3))
-    for p, g in zip(params, full_tensors(shapes(2), seed=1)):
-        p.grad = g
-    weights = [p.detach().clone() for p in params]
-    error = error_of(opt.step)
-    momentum_updated = all("momentum_buffer" in opt.state[p] for p in params)
-    unclipped = [torch.equal(p, w) for p, w in zip(params, weights)]  # the step ran; the clip did not
-    return dict(error=error, stepped=momentum_updated, unclipped=unclipped)
+    """A step whose clip fails, beside the same step with no clip: the weights must match."""
+    results = []
+    for with_clip in (True, False):
+        params, opt = plain_params_and_optimizer()
+        if with_clip:
+            clip = QKClip(opt, layers_of(params, 2, fused=True), threshold=TAU)
+            for name in clip.layers:
+                clip.record(name, torch.full((4,), 10 * TAU))  # every head over τ
+            if dist.get_rank() == 1:
+                clip.record("sep", torch.ones(3))
+        for p, g in zip(params, full_tensors(shapes(2), seed=1)):
+            p.grad = g
+        results.append((error_of(opt.step), [p.detach().clone() for p in params]))
+    (error, clipped), (_, plain) = results
+    return dict(error=error, unscaled=all(torch.equal(a, b) for a, b in zip(clipped, plain)))
 
 
 def test_a_bad_record_on_one_rank_is_raised_on_every_rank_before_the_clip_changes_a_weight():
@@ -151,12 +162,11 @@ def test_a_bad_record_on_one_rank_is_raised_on_every_rank_before_the_clip_change
                                           "a bad record on another rank") for r in results],
                       r"ValueError: QKClip: attention layer 'sep': a bad record on another rank\. Nothing was clipped\.")
     assert "recorded (3,)" in results[1]["error"]
-    assert all(r["stepped"] for r in results)
+    assert all(r["unscaled"] for r in results)  # the optimizer stepped; the clip scaled nothing
 
 
 def ranks_that_describe_other_layers() -> str | None:
-    params = [nn.Parameter(t.clone()) for t in full_tensors(shapes(2), seed=0)]
-    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": NAMES}], **HPARAMS)
+    params, opt = plain_params_and_optimizer()
     layers = layers_of(params, 2, fused=True)
     if dist.get_rank() == 1:
         layers["sep"] = AttentionLayer(params[0], params[1], 2, HEAD_DIM, 1)

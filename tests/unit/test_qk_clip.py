@@ -130,9 +130,11 @@ def test_after_the_clip_the_same_inputs_give_logits_at_most_the_threshold():
     opt.step()
     assert opt.statistics()["qk_clip/heads_clipped"] > 0
     assert opt.statistics()["qk_clip/max_logit"] == pytest.approx(start, rel=1e-5)
+    assert clip.statistics()["qk_clip/max_logit"] == opt.statistics()["qk_clip/max_logit"]
+    clip.remove()
+    assert "qk_clip/max_logit" not in opt.statistics()
     # the first layer sees the same inputs again (the later ones see the clipped layers' outputs)
     assert logits_now(model, inputs, "layers.0.attn") <= THRESHOLD * (1 + 1e-4)
-    assert clip.statistics()["qk_clip/max_logit"] == opt.statistics()["qk_clip/max_logit"]
 
 
 def train_tiny(clip: bool, steps: int = 25, lr: float = 0.4) -> list[float]:
@@ -295,6 +297,22 @@ def test_hugging_face_llama_with_eager_attention_is_clipped_under_the_threshold(
     clip.clip(apply=False)
     assert clip.statistics()["qk_clip/max_logit/model.layers.0.self_attn"] <= THRESHOLD * (1 + 1e-4)
     assert not torch.equal(llama(tokens).logits, out_before)  # the model still runs, now clipped
+
+
+def test_one_model_records_for_one_clip_at_a_time():
+    model, inputs, _ = llama_and_batch()
+    first = QKClip.for_model(torch.optim.SGD(model.parameters(), lr=0.0), model)
+    with pytest.raises(ValueError, match="Another QKClip records the max logits of 'layers.0.attn' already"):
+        QKClip.for_model(torch.optim.SGD(model.parameters(), lr=0.0), model)
+    first.remove()
+    QKClip.for_model(torch.optim.SGD(model.parameters(), lr=0.0), model)
+    _, llama = gpt2_and_llama()
+    first = QKClip.for_model(torch.optim.SGD(llama.parameters(), lr=0.0), llama)
+    with pytest.raises(ValueError, match="Another QKClip records the max logits of 'LlamaForCausalLM' already"):
+        QKClip.for_model(torch.optim.SGD(llama.parameters(), lr=0.0), llama)
+    first.remove()
+    assert llama.config._attn_implementation == "eager"
+    QKClip.for_model(torch.optim.SGD(llama.parameters(), lr=0.0), llama)
 
 
 def test_a_model_without_known_attention_is_told_to_record_itself():
