@@ -16,25 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from early_start import train_step  # beside this script: the same timed step
 
 import dmuon
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
-
-
-def timed_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch, device: torch.device) -> float:
-    tokens, targets = (t.to(device) for t in batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    model.loss(tokens, targets).backward()
-    opt.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -60,7 +47,7 @@ def main() -> None:
     for step in range(args.warmup + args.rounds):
         batch = data.batch(step, args.batch_size, args.seq_len)
         for name in (list(runs) if step % 2 else list(runs)[::-1]):
-            seconds = timed_step(*runs[name][:2], batch, device)
+            seconds = train_step(*runs[name][:2], batch, device)
             if step >= args.warmup:
                 times[name].append(seconds)
     ratios = [c / p for c, p in zip(times["muon+qk-clip"], times["muon"])]
