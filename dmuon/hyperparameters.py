@@ -3,6 +3,7 @@ each algorithm applies. Pure: no tensors are touched but the hyperparameters the
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -126,6 +127,29 @@ def adjusted_lr_ratio(adjust_lr_fn: str | None, m: int, n: int) -> float:
     if adjust_lr_fn == "spectral_unclamped":
         return math.sqrt(m / n)
     return math.sqrt(max(1.0, m / n))
+
+
+# Options of other optimizers that users carry over, and what dmuon.Muon calls them.
+OTHER_OPTIMIZERS_OPTIONS = {
+    "betas": "AdamW's betas are adamw_betas=(beta1, beta2) in dmuon.Muon (in a param group, \"betas\" works too)",
+    "use_muon": "use_muon belongs in a param group ({\"params\": ..., \"use_muon\": True}), or give the group "
+                "\"algorithm\": \"muon\" or \"adamw\"",
+    "foreach": "dmuon.Muon always runs batched (foreach) kernels; there is no switch",
+    "fused": "dmuon.Muon always runs batched (foreach) kernels; there is no switch",
+    "maximize": "dmuon.Muon minimizes; negate the loss to maximize",
+    "amsgrad": "dmuon.Muon's AdamW has no AMSGrad",
+}
+
+
+def unexpected_option_message(cls_name: str, name: str, known: Sequence[str]) -> str:
+    """Python's message for an unknown keyword, with what dmuon calls it (or the closest of the
+    ``known`` options)."""
+    message = f"{cls_name}() got an unexpected keyword argument {name!r}"
+    hint = OTHER_OPTIMIZERS_OPTIONS.get(name)
+    if hint is None:
+        close = difflib.get_close_matches(name, list(known), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else None
+    return f"{message}: {hint}" if hint else message
 
 
 def check_use_addmm(value: Any, where: str = "") -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -18,7 +19,7 @@ from dmuon.early_start import CHANGED, NOT_USED, USED, EarlyStart, wanted
 from dmuon.elementwise import adamw_steps, update_momentum_of
 from dmuon.engine import StepStats
 from dmuon.exchange import GroupRef, collective_device, job_group
-from dmuon.hyperparameters import EngineOptions, check_use_addmm, validate_defaults
+from dmuon.hyperparameters import EngineOptions, check_use_addmm, unexpected_option_message, validate_defaults
 from dmuon.layout import owned_by, owner_shardings
 from dmuon.orthogonalization import NORMALIZATION_EPS, default_dtype_reason
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
@@ -65,6 +66,14 @@ class Muon(torch.optim.Optimizer):
     ``ns_dtype=torch.bfloat16``, ``adjust_lr_fn="original"``, ``weight_decay=0.1`` (momentum
     bitwise; updates within about 2 %, as torch normalizes in bf16).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Muon:
+        # an option from another optimizer gets a pointer to dmuon's, not Python's bare TypeError
+        options = inspect.signature(cls.__init__).parameters
+        unknown = [k for k in kwargs if k not in options]
+        if unknown:
+            raise TypeError(unexpected_option_message(cls.__name__, unknown[0], [o for o in options if o != "self"]))
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -150,6 +159,7 @@ class Muon(torch.optim.Optimizer):
         self._make_engine()
         super().__init__(params, defaults)
         self._module_roles = {}  # used for routing at construction only; params may be swapped later
+        param_groups.check_not_a_whole_model_by_shape(self.param_groups)
         blind = param_groups.shape_routing_warning(self.param_groups)
         if blind:
             warnings.warn(blind, stacklevel=5)  # _build <- build <- agreed_call <- __init__ <- the caller

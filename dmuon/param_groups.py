@@ -11,6 +11,8 @@ group's lr from there), and per parameter, in lists parallel to ``"params"``: ``
 
 from __future__ import annotations
 
+import difflib
+
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -44,9 +46,13 @@ def build_group(param_group: dict[str, Any], defaults: dict[str, Any], index: in
     where = f" in param group {index}"
     if not isinstance(param_group, dict):
         raise TypeError(f"A param group must be a dict, got {type(param_group).__name__}{where}.")
-    unknown = set(param_group) - USER_KEYS - set(MUON_KEYS) - set(ADAMW_GROUP_KEYS)
+    param_group = from_use_muon(param_group, where)
+    known = USER_KEYS | set(MUON_KEYS) | set(ADAMW_GROUP_KEYS)
+    unknown = sorted(set(param_group) - known, key=str)
     if unknown:
-        raise ValueError(f"Unknown option(s) {sorted(unknown)}{where}.")
+        close = difflib.get_close_matches(str(unknown[0]), sorted(known), n=1)
+        raise ValueError(f"Unknown option(s) {unknown}{where}." + (f" Did you mean {close[0]!r}?" if close else "")
+                         + f" A group takes: {', '.join(sorted(known - {'params'}))}.")
     check_use_addmm(param_group.get("use_addmm", False), where)
     algorithm = param_group.get("algorithm")
     if algorithm is not None and algorithm not in ALGORITHMS:
@@ -104,6 +110,27 @@ def route(name: str | None, param: Tensor, index: int, algorithm: str | None, vi
     return chosen
 
 
+def from_use_muon(param_group: dict[str, Any], where: str) -> dict[str, Any]:
+    """Keller Jordan's ``MuonWithAuxAdam`` groups in dmuon's words: ``"use_muon": True/False`` is
+    ``"algorithm": "muon"/"adamw"``, and in an AdamW group his ``"eps"`` is AdamW's."""
+    if "use_muon" not in param_group:
+        return param_group
+    use = param_group["use_muon"]
+    if not isinstance(use, bool):
+        raise ValueError(f"Invalid use_muon={use!r}{where}. Must be a bool (or give \"algorithm\": \"muon\" or "
+                         "\"adamw\").")
+    algorithm = "muon" if use else "adamw"
+    if param_group.get("algorithm", algorithm) != algorithm:
+        raise ValueError(f"use_muon={use} and algorithm={param_group['algorithm']!r} disagree{where}: give one.")
+    group = {k: v for k, v in param_group.items() if k != "use_muon"}
+    group["algorithm"] = algorithm
+    if not use and "eps" in group:
+        if "adamw_eps" in group:
+            raise ValueError(f"An AdamW group (use_muon=False) with both eps and adamw_eps{where}: give one.")
+        group["adamw_eps"] = group.pop("eps")
+    return group
+
+
 def named_entries(param_group: dict[str, Any], where: str) -> list[Entry]:
     """(name or None, tensor) of every parameter of a user's group."""
     params = param_group["params"]
@@ -143,6 +170,25 @@ def names_in(model: nn.Module | None) -> Callable[[list[Entry], str], list[Entry
         return [(names[id(p)], p) for _, p in entries]
 
     return lookup
+
+
+def check_not_a_whole_model_by_shape(groups: Sequence[dict[str, Any]]) -> None:
+    """Refuse the bare tensors of a whole model routed by shape alone (e.g. ``model.parameters()``
+    or nanoGPT's decay / no-decay groups): their embeddings and output head would go to Muon. A
+    model's, here: at least two matrices and two vectors (norms, biases) with no names and no
+    ``"algorithm"``. Matrices alone (what ``torch.optim.Muon`` takes), or a layer's weight and
+    bias, only get :func:`shape_routing_warning`'s warning."""
+    blind = [g for g in groups if g["algorithm"] is None and "param_names" not in g]
+    matrices = sum(alg == "muon" for g in blind for alg in g["algorithms"])
+    vectors = sum(p.ndim < 2 for g in groups for p in g["params"] if isinstance(p, Tensor))
+    if matrices >= 2 and vectors >= 2:
+        raise ValueError(
+            f"dmuon.Muon was given the bare tensors of a whole model ({matrices} matrices, {vectors} vectors such as "
+            "norms and biases) and no names: routed by shape alone, its embeddings and output head would go to Muon, "
+            "which does not suit them. Pass the model (dmuon.Muon(model, ...)), or build your groups from "
+            "model.named_parameters() (e.g. {\"params\": [(n, p) for n, p in model.named_parameters() if p.ndim >= "
+            "2], \"weight_decay\": 0.1}: each parameter is then routed by its name and module), or give each group "
+            "\"algorithm\": \"muon\" or \"adamw\".")
 
 
 def shape_routing_warning(groups: Sequence[dict[str, Any]]) -> str | None:

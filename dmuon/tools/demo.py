@@ -25,6 +25,7 @@ from torch import nn
 import dmuon
 from dmuon.tools.cli import check_seq_len, name_list, non_negative_float, output_path, positive_float, positive_int
 from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config
+from dmuon.tools.hardware import OtherJobsCpu, machine_cores
 
 OptimizerFactory = Callable[[Llama, float, float], list[torch.optim.Optimizer]]
 """Builds the optimizer(s) of one configuration from ``(model, lr, weight_decay)``."""
@@ -111,6 +112,7 @@ def train(
     losses: list[float] = []
     opt_times: list[float] = []
     step_times: list[float] = []
+    began = time.perf_counter()
     for step in range(steps):
         inputs, targets = data.batch(step, batch_size, seq_len)
         start = time.perf_counter()
@@ -125,7 +127,7 @@ def train(
         opt_times.append(end - opt_start)
         step_times.append(end - start)
         if progress is not None:
-            report_progress(progress, config, step + 1, steps, losses[-1])
+            report_progress(progress, config, step + 1, steps, losses[-1], end - began)
     return RunResult(
         config=config,
         steps=steps,
@@ -135,14 +137,30 @@ def train(
     )
 
 
-def report_progress(stream: TextIO, config: str, step: int, steps: int, loss: float) -> None:
-    """One progress line per configuration: rewritten in place on a terminal, printed once when done otherwise."""
-    line = f"{config}: step {step}/{steps}  loss {loss:.3f}"
+PROGRESS_LINES = 10  # without a terminal: a line at every tenth of a configuration's steps
+
+
+def report_progress(stream: TextIO, config: str, step: int, steps: int, loss: float, seconds: float) -> None:
+    """A configuration's progress with the time it has taken and an estimate of what is left:
+    rewritten in place on a terminal; elsewhere (a log, a pipe) one line every tenth of its steps."""
+    left = seconds / step * (steps - step)
+    line = f"{config}: step {step}/{steps}  loss {loss:.3f}  {seconds:.0f} s" + (
+        f", about {left:.0f} s left" if step < steps else "")
     if stream.isatty():
-        stream.write(f"\r{line}" + ("\n" if step == steps else ""))
+        stream.write(f"\r{line}\x1b[K" + ("\n" if step == steps else ""))
         stream.flush()
-    elif step == steps:
+    elif step == steps or step % max(1, steps // PROGRESS_LINES) == 0:
         stream.write(line + "\n")
+        stream.flush()
+
+
+def default_threads(cores: int, other_jobs: float) -> tuple[int, str]:
+    """Intra-op threads for the cores other jobs leave free (at least one), and why: two threads
+    on two cores that another job also uses run slower than one."""
+    free = max(1, min(cores, int(cores - other_jobs + 0.5)))
+    if free == cores:
+        return cores, f"{cores} threads, one per core"
+    return free, f"{free} thread{'s' if free > 1 else ''}: other jobs use {other_jobs:.1f} of {cores} cores"
 
 
 def format_table(results: Sequence[RunResult], baseline: str = "adamw") -> str:
@@ -173,7 +191,8 @@ def format_table(results: Sequence[RunResult], baseline: str = "adamw") -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``dmuon demo``; defaults take about 1-2 minutes on two CPU cores."""
+    """Options of ``dmuon demo``; the defaults take about a minute on two free cores with native
+    bf16 products, about 5 minutes where bf16 is emulated (torch.optim.Muon's bf16 Newton–Schulz)."""
     parser.add_argument("--steps", type=positive_int, default=200,
                         help="steps per configuration (default: %(default)s)")
     parser.add_argument("--preset", choices=list(PRESETS), default="demo", help="model preset (default: %(default)s)")
@@ -185,7 +204,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step (default: %(default)s)")
     parser.add_argument("--seq-len", type=positive_int, default=64,
                         help="tokens per sequence, at most the preset's max_seq_len (default: %(default)s)")
-    parser.add_argument("--threads", type=positive_int, default=2, help="torch intra-op threads (default: %(default)s)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch intra-op threads (default: one per core that other jobs leave free, "
+                             "measured for half a second)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
     parser.add_argument(
         "--configs",
@@ -205,11 +226,16 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the configurations in ``args.configs`` and print the comparison table."""
-    torch.set_num_threads(args.threads)
+    threads, why = args.threads, f"{args.threads} threads (--threads)"
+    if threads is None:
+        with OtherJobsCpu() as others:
+            time.sleep(0.5)
+        threads, why = default_threads(machine_cores(), others.cores_used)
+    torch.set_num_threads(threads)
     vocab_size = get_config(args.preset).vocab_size
     print(
         f"preset {args.preset}, {args.steps} steps of {args.batch_size}x{args.seq_len} tokens, lr {args.lr}, "
-        f"weight decay {args.weight_decay}, {args.threads} threads; "
+        f"weight decay {args.weight_decay}; {why}; "
         f"untrained loss ~ log({vocab_size}) = {math.log(vocab_size):.2f}",
         flush=True,
     )

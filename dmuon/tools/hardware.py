@@ -350,7 +350,7 @@ def _processes() -> list[tuple[int, int, float]]:
     return found
 
 
-def _machine_cores() -> int:
+def machine_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -439,13 +439,13 @@ def measure_cpu_profile(threads: int = 1) -> HardwareProfile:
     busy machine depresses even the fastest runs). To predict a run on a shared machine, set
     ``busy_cores`` to what other jobs used during that run (:class:`OtherJobsCpu`).
     """
-    machine_cores = _machine_cores()
+    cores = machine_cores()
     previous = torch.get_num_threads()
     try:
         with OtherJobsCpu() as others:
             torch.set_num_threads(1)
-            efficiency = tuple((count, measure_parallel_efficiency(machine_cores, count)[0])
-                               for count in sorted({machine_cores, 2 * machine_cores}))
+            efficiency = tuple((count, measure_parallel_efficiency(cores, count)[0])
+                               for count in sorted({cores, 2 * cores}))
             torch.set_num_threads(threads)
             bf16, fp32 = measure_matmul_flops(torch.bfloat16), measure_matmul_flops(torch.float32)
             fp16 = measure_matmul_flops(torch.float16, m=256, k=1024)  # often emulated on CPUs: slow
@@ -459,10 +459,10 @@ def measure_cpu_profile(threads: int = 1) -> HardwareProfile:
     profile = HardwareProfile(
         "cpu", "cpu", bf16_flops=bf16, fp16_flops=fp16, fp32_flops=fp32, memory_bandwidth=memory,
         intra_bandwidth=bandwidth, intra_latency=latency, inter_bandwidth=bandwidth, inter_latency=latency,
-        ranks_per_node=None, matmul_efficiency=1.0, mfu=None, train_dtype=torch.float32, cores=machine_cores,
+        ranks_per_node=None, matmul_efficiency=1.0, mfu=None, train_dtype=torch.float32, cores=cores,
         parallel_efficiency=efficiency, busy_cores=busy, threads=threads, comm_overlaps_compute=False,
         collective_efficiency=tuple(sorted(collective_efficiency.items())), check_rate=check,
-        source=f"measured on this machine ({machine_cores} cores, parallel efficiency {efficiencies}; "
+        source=f"measured on this machine ({cores} cores, parallel efficiency {efficiencies}; "
                f"{busy:.2f} busy with other jobs; {threads} thread(s) per rank; gloo loopback)",
     )
     # the two loopback ranks shared the cores: per rank, with a core of its own

@@ -120,6 +120,14 @@ def measure_cpu_rank(config: LlamaConfig, tokens_per_rank: int, seq_len: int, pr
     return mfu, measured_elementwise_efficiency(one_rank, alone.optimizer_step, alone.newton_schulz)
 
 
+def count_text(count: int) -> str:
+    """A parameter count as people write it: 8.03 B, 27.3 M, 920 k."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if count >= size:
+            return f"{count / size:.3g} {unit}" if size < 1e9 else f"{count / size:.2f} {unit}"
+    return str(count)
+
+
 def balance_summary(prediction: Prediction) -> str:
     low, mid, high = prediction.ns_gflop_per_rank
     lo_b, mid_b, hi_b = prediction.mb_sent_per_rank
@@ -168,6 +176,10 @@ def predictions_table(p: Prediction, whole: Prediction | None = None) -> str:
 def run(args: argparse.Namespace) -> int:
     """Predict and print; ``args`` as :func:`check_arguments` left them."""
     config, tokens = args.config, args.tokens_per_step
+    if args.hardware == "cpu":
+        print("dmuon plan: measuring this machine first (product, memory and loopback rates, then one rank "
+              "training the model; about 20 s on 2 free cores, longer when other jobs share them)...",
+              file=sys.stderr, flush=True)
     profile = get_profile(args.hardware, args.threads)
     mfu, efficiency = args.mfu, 1.0
     if profile.device_type == "cpu":
@@ -176,8 +188,8 @@ def run(args: argparse.Namespace) -> int:
                         mfu, efficiency, bucket_bytes=args.bucket_bytes, split=not args.no_split)
     prediction = predict(workload, args.model)
     whole = predict(replace(workload, split=False), args.model) if prediction.split_matrices else None
-    print(f"dmuon plan: {args.model} ({param_count(config) / 1e9:.2f} B parameters, "
-          f"{muon_params(config) / 1e9:.2f} B in {len(matrix_shapes(config))} Muon matrices), "
+    print(f"dmuon plan: {args.model} ({count_text(param_count(config))} parameters, "
+          f"{count_text(muon_params(config))} in {len(matrix_shapes(config))} Muon matrices), "
           f"{args.world_size} x {profile.name}, {args.mode}")
     print(f"tokens per step {tokens:,} ({workload.tokens_per_rank:,} per rank, sequences of {args.seq_len:,}); "
           f"Newton–Schulz: {prediction.ns_recipe}")

@@ -9,6 +9,7 @@ fail the test if reached: spawning ranks (``bench``), training (``demo``), measu
 
 from __future__ import annotations
 
+import io
 import dataclasses
 import json
 
@@ -190,3 +191,33 @@ def test_default_seq_len_fits_the_model(tmp_path, capsys, monkeypatch):
     assert main(["plan", "--model", "qwen2.5-1.5b", "--layers", "2", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["seq_len"] == 4096  # max_seq_len 32768
     capsys.readouterr()
+
+
+def test_demo_progress_reaches_a_log_ten_times_per_configuration_with_the_time_left():
+    """Not only on a terminal: a log or a pipe gets a line every tenth of the steps, so a slow run
+    shows it is alive (a user waited 15 minutes in front of nothing)."""
+    stream = io.StringIO()
+    for step in range(1, 201):
+        dmuon.tools.demo.report_progress(stream, "dmuon", step, 200, 1.5, seconds=step * 0.5)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 10
+    assert lines[0] == "dmuon: step 20/200  loss 1.500  10 s, about 90 s left"
+    assert lines[-1] == "dmuon: step 200/200  loss 1.500  100 s"
+
+
+@pytest.mark.parametrize("cores,others,threads,why", [
+    (2, 0.02, 2, "2 threads, one per core"),
+    (2, 0.9, 1, "1 thread: other jobs use 0.9 of 2 cores"),
+    (2, 1.9, 1, "1 thread: other jobs use 1.9 of 2 cores"),
+    (8, 2.2, 6, "6 threads: other jobs use 2.2 of 8 cores"),
+])
+def test_demo_takes_the_cores_other_jobs_leave(cores, others, threads, why):
+    assert dmuon.tools.demo.default_threads(cores, others) == (threads, why)
+
+
+def test_plan_on_cpu_says_it_measures_first_and_names_small_models_in_millions(tmp_path, capsys, monkeypatch):
+    _fake_cpu(monkeypatch, forward_backward=1.0)
+    assert main(["plan", "--model", "demo", "--world-size", "2", "--hardware", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("dmuon plan: measuring this machine first")
+    assert "dmuon plan: demo (919 k parameters, 786 k in 28 Muon matrices)" in captured.out

@@ -162,10 +162,21 @@ def test_routing_from_named_parameters_and_plain_tensors():
     named = dmuon.Muon(net.named_parameters())
     named_routes = {n: route.algorithm for n, route in named.routes().items()}
     assert named_routes["embed.weight"] == "adamw" and named_routes["lm_head.weight"] == "adamw"
+    matrices = [p for p in net.parameters() if p.ndim >= 2]
     with pytest.warns(UserWarning, match="routed 5 matrices to Muon by shape alone.*Pass the model"):
-        plain = dmuon.Muon(net.parameters())
+        plain = dmuon.Muon(matrices)
     # without names or modules only the shape rule applies: every matrix goes to Muon
     assert sum(route.algorithm == "muon" for route in plain.routes().values()) == 5
+    # a whole model's bare tensors (nanoGPT's decay / no-decay groups): its embedding would go to Muon
+    vectors = [p for p in net.parameters() if p.ndim < 2]
+    with pytest.raises(ValueError, match=r"bare tensors of a whole model \(5 matrices, \d+ vectors.*Pass the model"):
+        dmuon.Muon([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}])
+    with pytest.raises(ValueError, match="bare tensors of a whole model"):
+        dmuon.Muon(net.parameters())
+    named = [{"params": [(n, p) for n, p in net.named_parameters() if p.ndim >= 2], "weight_decay": 0.1},
+             {"params": [(n, p) for n, p in net.named_parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    routes = {n: r.algorithm for n, r in dmuon.Muon(named).routes().items()}
+    assert routes["embed.weight"] == "adamw" and routes["lm_head.weight"] == "adamw"
 
 
 def test_explicit_groups_override_and_split():
@@ -817,3 +828,37 @@ def test_an_optimizer_built_on_the_meta_device_follows_to_empty():
     set_random_grads(bare.parameters(), 0)
     with pytest.raises(ValueError, match="'weight' is still on the meta device.*Build the optimizer after"):
         opt.step()
+
+
+@pytest.mark.parametrize("option,pointer", [
+    ("betas", "AdamW's betas are adamw_betas=\\(beta1, beta2\\)"),
+    ("lrr", "did you mean 'lr'\\?"),
+    ("fused", "dmuon.Muon always runs batched"),
+    ("use_muon", "use_muon belongs in a param group"),
+])
+def test_options_of_other_optimizers_point_to_dmuons(option, pointer):
+    with pytest.raises(TypeError, match=f"Muon\\(\\) got an unexpected keyword argument '{option}': {pointer}"):
+        dmuon.Muon(make_net(), **{option: (0.9, 0.95)})
+
+
+def test_keller_use_muon_groups_are_accepted():
+    """MuonWithAuxAdam's groups: use_muon chooses the algorithm; an AdamW group's eps is AdamW's."""
+    net = make_net()
+    hidden = [net.hidden.weight]
+    rest = [p for p in net.parameters() if p is not net.hidden.weight]
+    opt = dmuon.Muon([dict(params=hidden, use_muon=True, lr=0.02, weight_decay=0.01),
+                      dict(params=rest, use_muon=False, lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)])
+    assert opt.param_groups[0]["algorithms"] == ["muon"]
+    assert set(opt.param_groups[1]["algorithms"]) == {"adamw"}
+    assert opt.param_groups[1]["adamw_eps"] == 1e-10 and opt.param_groups[1]["adamw_betas"] == (0.9, 0.95)
+    assert opt.param_groups[1]["eps"] == opt.defaults["eps"]  # Newton–Schulz's eps untouched
+    with pytest.raises(ValueError, match="use_muon=True and algorithm='adamw' disagree in param group 0"):
+        dmuon.Muon([dict(params=hidden, use_muon=True, algorithm="adamw")])
+    with pytest.raises(ValueError, match="Invalid use_muon=1 in param group 0"):
+        dmuon.Muon([dict(params=hidden, use_muon=1)])
+
+
+def test_a_misspelt_group_option_gets_the_closest_name():
+    with pytest.raises(ValueError, match="Unknown option\\(s\\) \\['weight_dacay'\\] in param group 0. Did you mean "
+                                         "'weight_decay'\\?"):
+        dmuon.Muon([{"params": [make_net().hidden.weight], "weight_dacay": 0.1}])
