@@ -235,9 +235,25 @@ def routes(groups: Sequence[dict[str, Any]]) -> dict[str, Route]:
     return out
 
 
+# Names of fused projections (several weights stacked in one): Newton–Schulz of the whole differs
+# from that of each block, which ``ns_blocks`` gives.
+FUSED_NAMES = ("qkv", "query_key_value", "in_proj", "gate_up", "w13", "c_attn")
+
+
+def fused_hint(name: str, m: int, n: int) -> str:
+    """What to know about a matrix whose name says it fuses several projections."""
+    text = (f"note: {name} ({m}x{n}) looks like fused projections, orthogonalized here as one matrix; a param group's "
+            "ns_blocks (row counts, e.g. [q, kv, kv]) orthogonalizes each block on its own")
+    if "c_attn" in name:  # GPT-2's Conv1D stores (in, out): its q, k and v sit side by side in columns
+        text += ", but GPT-2's Conv1D holds its blocks side by side along dim 1, which ns_blocks does not split"
+    return text
+
+
 def routing_summary(groups: Sequence[dict[str, Any]]) -> str:
-    """A table: every parameter, its shape, the algorithm, the matrices Muon sees, and why."""
+    """A table: every parameter, its shape, the algorithm, the matrices Muon sees, and why; then
+    a note for each matrix whose name says it fuses projections (see :func:`fused_hint`)."""
     rows = [("group", "parameter", "shape", "algorithm", "matrices", "why")]
+    notes = []
     for g, group in enumerate(groups):
         names = group.get("param_names") or [f"#{i}" for i in range(len(group["params"]))]
         for i, (name, p) in enumerate(zip(names, group["params"])):
@@ -245,11 +261,14 @@ def routing_summary(groups: Sequence[dict[str, Any]]) -> str:
             if algorithm == "muon":
                 count, m, n = matrix_shape(p.shape, group["matrix_views"][i])
                 matrices = f"{count} x {m}x{n}"
+                if group["ns_blocks"] is None and any(f in name.lower() for f in FUSED_NAMES):
+                    notes.append(fused_hint(name, m, n))
             else:
                 matrices = "-"
             rows.append((str(g), name, "x".join(map(str, p.shape)), algorithm, matrices, group["route_reasons"][i]))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(table + notes)
 
 
 def settings(groups: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:

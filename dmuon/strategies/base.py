@@ -126,6 +126,18 @@ class StepStats:
             total += span if isinstance(span, float) else span[0].elapsed_time(span[1]) / 1e3
         return total
 
+    def __repr__(self) -> str:
+        """A line a person reads (on CUDA it waits for the step's Newton–Schulz kernels)."""
+        text = (f"StepStats(this rank: {self.matrices_orthogonalized} matrices orthogonalized, "
+                f"{self.ns_flops / 1e9:.3g} GFLOP in {len(self.ns_calls)} Newton–Schulz calls, "
+                f"{self.ns_seconds * 1e3:.1f} ms; {self.bytes_sent / 2**20:.3g} MiB sent in {self.collectives} "
+                f"collectives")
+        if self.early_buckets[1]:
+            text += f"; {self.early_buckets[0]} of {self.early_buckets[1]} buckets begun in the backward pass"
+        if self.gangs:
+            text += f"; {len(self.gangs)} matrices split over gangs"
+        return text + ")"
+
 
 class Timed:
     """Times one Newton–Schulz call on ``x`` into ``stats`` and lists it there: host time on CPU;

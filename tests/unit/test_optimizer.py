@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -862,3 +863,25 @@ def test_a_misspelt_group_option_gets_the_closest_name():
     with pytest.raises(ValueError, match="Unknown option\\(s\\) \\['weight_dacay'\\] in param group 0. Did you mean "
                                          "'weight_decay'\\?"):
         dmuon.Muon([{"params": [make_net().hidden.weight], "weight_dacay": 0.1}])
+
+
+def test_last_step_stats_print_as_one_readable_line():
+    net = make_net()
+    opt = dmuon.Muon(net)
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    text = repr(opt.last_step_stats)
+    assert re.fullmatch(r"StepStats\(this rank: \d+ matrices orthogonalized, [\d.e+-]+ GFLOP in \d+ Newton–Schulz "
+                        r"calls, [\d.]+ ms; 0 MiB sent in 0 collectives\)", text), text
+    assert "ns_calls" not in text and "_ns_spans" not in text
+
+
+def test_routing_summary_points_fused_projections_to_ns_blocks():
+    fused = nn.ModuleDict({"qkv": nn.Linear(8, 24, bias=False), "out": nn.Linear(8, 8, bias=False)})
+    summary = dmuon.Muon(fused).routing_summary()
+    assert "note: qkv.weight (24x8) looks like fused projections" in summary and "ns_blocks" in summary
+    assert "out.weight" in summary and "note: out.weight" not in summary
+    blocked = dmuon.Muon([{"params": list(fused.qkv.named_parameters("qkv")), "ns_blocks": [8, 8, 8]},
+                          {"params": list(fused.out.named_parameters("out"))}]).routing_summary()
+    assert "note:" not in blocked.split("ns_dtype=None")[0]
