@@ -47,10 +47,14 @@ time), when a headline ratio did not settle, or when there was only one round.
 Peak memory is measured in a separate pass, each configuration alone in freshly spawned ranks
 (``--memory-steps`` steps), so that its peak is its own: "peak mem" is the largest rise of a
 rank's resident memory (CPU; sampled every 2 ms) or of its allocated device memory (CUDA) over
-what the rank held before building the model. "sent MiB/step" is what dmuon's own collectives
-sent, averaged over ranks: dmuon.Muon's exchange, and for the owner modes the broadcasts and
-reduces of the owner-sharded matrices (DDP's and FSDP2's traffic is not counted). The owner modes
-are compared with the FSDP2 configurations.
+what the rank held before building the model. Traffic per step and rank (``--verbose``), the
+same two things in every row: "opt MiB" is what the optimizer's own collectives sent (dmuon.Muon
+counts its exchange and agreement, measured; AdamW and torch.optim.Muon on whole tensors send
+nothing; "-" where an optimizer's DTensor operations communicate uncounted); "train MiB" is the
+forward and backward pass's data-parallel traffic — DDP's gradient all-reduce, FSDP2's all-gathers
+and reduce-scatters, owner sharding's broadcasts and reduces — from the model's parameter bytes
+by the ring costs (:func:`training_traffic`). The owner modes are compared with the FSDP2
+configurations.
 
 "opt step efficiency" (dmuon.Muon only) is how close the optimizer step comes to its floor: the
 busiest rank's Newton–Schulz time for the matrices it orthogonalizes — the same calls (shapes,
@@ -131,7 +135,8 @@ class BenchResult:
     world_size: int
     opt_step_ms: float  # median over the measured steps of the slowest rank's time
     step_ms: float
-    bytes_per_step: float | None  # mean over ranks of what dmuon.Muon's collectives sent
+    opt_bytes_per_step: float | None  # the optimizer's own collectives, mean over ranks (None: not counted)
+    train_bytes_per_step: float | None  # forward + backward data-parallel traffic per rank (training_traffic)
     peak_mem_bytes: int  # largest per-rank rise over the memory held before the model existed
     final_loss: float  # loss of the last step, mean over ranks (the last progress line's figure)
     # per round: median over the round's steps of the slowest rank's times (empty: one round of
@@ -258,6 +263,10 @@ def run_warnings(results: list[BenchResult], load: Load | None = None) -> list[s
     return warnings
 
 
+def _mib(value: float | None) -> str:
+    return f"{value / 2**20:,.2f}" if value is not None else "-"
+
+
 def json_records(results: list[BenchResult], load: Load | None = None) -> list[dict]:
     """The ``--json`` records: the measurements, the ratios with their per-round range, the warnings."""
     comparisons, warnings = compare(results), run_warnings(results, load)
@@ -325,9 +334,17 @@ class _Trainer:
         """dmuon.Muon's statistics of its last step; None for other optimizers."""
         return getattr(self.optimizers[0], "last_step_stats", None)
 
-    def bytes_sent(self) -> float | None:
+    def traffic(self) -> tuple[float | None, float]:
+        """(the optimizer's bytes sent in the last step, or None where they are not counted; the
+        step's forward and backward data-parallel bytes per rank, :func:`training_traffic`)."""
         stats = self._last_step_stats()
-        return None if stats is None else stats.bytes_sent + (self.sharding.last_step_bytes if self.sharding else 0)
+        parallel, optimizer = self.name.split("-", 1)
+        sent = stats.bytes_sent if stats is not None else (
+            0.0 if optimizer == "adamw" or (optimizer == "torch-muon" and parallel == "ddp") else None)
+        owned = sum(p.numel() * p.element_size() for p in self.sharding.params) if self.sharding else 0
+        layers = sum(p.numel() * p.element_size() for p in self.model.layers.parameters())
+        root = sum(p.numel() * p.element_size() for p in self.model.parameters()) - layers
+        return sent, training_traffic(parallel, self.world, root, layers, owned)
 
     def ns_alone_s(self) -> float | None:
         """dmuon.Muon's Newton–Schulz calls of the last step on this rank, timed alone (None for
@@ -439,7 +456,7 @@ def summarize(records: list[StepRecord], world: int) -> dict[str, BenchResult]:
         out[name] = BenchResult(
             name, world,
             statistics.median(r.opt_s for r in measured) * 1e3, statistics.median(r.step_s for r in measured) * 1e3,
-            None, 0, mine[-1].loss,
+            None, None, 0, mine[-1].loss,
             tuple(statistics.median(r.opt_s for r in rs) * 1e3 for rs in per_round),
             tuple(statistics.median(r.step_s for r in rs) * 1e3 for rs in per_round),
             tuple(statistics.median(r.ns_s for r in rs) * 1e3 for rs in per_round)
@@ -451,14 +468,14 @@ def summarize(records: list[StepRecord], world: int) -> dict[str, BenchResult]:
 def _timed(names: list[str], args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict:
     mesh = init_device_mesh(device.type, (world,)) if any(not n.startswith("ddp") for n in names) else None
     trainers = {name: _Trainer(name, args, rank, world, device, mesh) for name in names}
-    sent: dict[str, float | None] = {}
+    sent: dict[str, tuple[float | None, float]] = {}
 
     def mean_loss(loss: torch.Tensor) -> float:
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         return loss.item()
 
     def bytes_hook(name: str, trainer: _Trainer) -> None:
-        sent[name] = trainer.bytes_sent()
+        sent[name] = trainer.traffic()
 
     def slowest(records: list[StepRecord]) -> list[StepRecord]:
         """The records with the slowest rank's times of every step, and the busiest rank's
@@ -489,11 +506,13 @@ def _timed(names: list[str], args: argparse.Namespace, rank: int, world: int, de
     records = slowest(records)
     warm = [r for r in records if r.round < 0]
     measured_start = start + sum(r.step_s for r in warm)  # about when the rounds began
-    averaged = torch.tensor([sent[n] or 0 for n in names], dtype=torch.float64, device=device)
+    averaged = torch.tensor([[opt or 0.0, train] for opt, train in (sent[n] for n in names)], dtype=torch.float64,
+                            device=device)
     dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
     results = summarize(records, world)
-    for name, value in zip(names, averaged.tolist()):
-        results[name] = dataclasses.replace(results[name], bytes_per_step=value if sent[name] is not None else None)
+    for name, (opt, train) in zip(names, averaged.tolist()):
+        results[name] = dataclasses.replace(results[name], opt_bytes_per_step=opt if sent[name][0] is not None else None,
+                                            train_bytes_per_step=train)
     return {"results": results, "rounds_start": measured_start}
 
 
@@ -615,19 +634,22 @@ def format_table(results: list[BenchResult], load: Load | None = None, about: st
                            "per-round ratio(s), ± the 95 % interval of their geometric mean, the configurations "
                            "stepped in turn in the same ranks; mem: peak, each configuration alone in fresh ranks", 100)
     if verbose:
-        detail = [("config", 20), ("sent MiB/step", 13), ("peak MiB", 9), ("loss", 6), ("step/AdamW range", 17),
-                  ("opt/vanilla range", 17), ("NS/opt step", 11)]
+        detail = [("config", 20), ("opt MiB", 8), ("train MiB", 9), ("peak MiB", 9), ("loss", 6),
+                  ("step/AdamW range", 17), ("opt/vanilla range", 17), ("NS/opt step", 11)]
         lines += ["", row([title for title, _ in detail], detail)]
         for r in results:
             c = comparisons[r.config]
-            lines.append(row([r.config, f"{r.bytes_per_step / 2**20:,.2f}" if r.bytes_per_step is not None else "-",
+            lines.append(row([r.config, _mib(r.opt_bytes_per_step), _mib(r.train_bytes_per_step),
                               f"{r.peak_mem_bytes / 2**20:,.0f}" if r.peak_mem_bytes else "-", f"{r.final_loss:.3f}",
                               _cell(c["step_vs_adamw"], Ratio.range_text),
                               _cell(c["opt_step_vs_vanilla"], Ratio.range_text),
                               _cell(c["opt_step_efficiency"], Ratio.text)], detail))
-        lines += textwrap.wrap("sent: dmuon's own collectives, mean over ranks; loss: the last step's, mean over "
-                               "ranks; NS/opt step: the busiest rank's Newton-Schulz calls timed alone over the "
-                               "optimizer step (1.0 = the floor)", 100)
+        lines += textwrap.wrap("per step and rank: opt MiB, what the optimizer's own collectives sent (measured; "
+                               "-: not counted), train MiB, the forward and backward pass's data-parallel traffic "
+                               "(DDP's all-reduce, FSDP2's gathers and reduce-scatters, owner sharding's broadcasts "
+                               "and reduces; ring costs); loss: the last step's, mean over ranks; NS/opt step: the "
+                               "busiest rank's Newton-Schulz calls timed alone over the optimizer step (1.0 = the "
+                               "floor)", 100)
     if load is not None:
         lines.append(f"other jobs during the timed rounds: {load.other_cores:.2f} of {load.cores} cores "
                      f"(warning above {load.limit:.2f})")
@@ -669,6 +691,27 @@ class PeakMemory:
         else:
             self.peak = torch.cuda.max_memory_allocated(self.device)
         return self.peak - self.baseline
+
+
+def training_traffic(parallel: str, world: int, root_bytes: int, layer_bytes: int, owned_bytes: int) -> float:
+    """Bytes one rank sends, on average, for a step's forward and backward data-parallel traffic,
+    by the ring costs: (N−1)/N of the bytes per all-gather, reduce-scatter, broadcast or reduce,
+    2(N−1)/N per all-reduce.
+
+    ``root_bytes``: the parameters outside the model's layers (embeddings, final norm, head);
+    ``layer_bytes``: those in its layers, of which ``owned_bytes`` are owner-sharded. ddp: every
+    gradient all-reduced. fsdp (one group per layer and the root, as :func:`wrap_model` builds it):
+    the root's parameters gathered once, each layer's twice (FSDP2 reshards a layer after forward
+    and gathers it again for backward; the root it keeps), every gradient reduce-scattered. ownerz2 /
+    ownerz3: FSDP2's traffic for the parameters not owner-sharded, and the owner-sharded matrices
+    broadcast from their owners once (Z2) or twice (Z3) and their gradients reduced onto them."""
+    share = (world - 1) / world
+    if parallel == "ddp":
+        return 2 * share * (root_bytes + layer_bytes)
+    rest = layer_bytes - owned_bytes
+    fsdp = share * ((root_bytes + 2 * rest) + (root_bytes + rest))
+    broadcasts = {"fsdp": 0, "ownerz2": 1, "ownerz3": 2}[parallel]
+    return fsdp + share * (broadcasts + (1 if broadcasts else 0)) * owned_bytes
 
 
 def wrap_model(model: Llama, parallel: str, world: int, device: torch.device,

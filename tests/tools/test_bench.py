@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import json
 
-from dmuon.tools.bench import BenchResult, format_table
+import pytest
+
+from dmuon.tools.bench import BenchResult, format_table, training_traffic
 from dmuon.tools.cli import main
-from dmuon.tools.models import get_config, matrix_shapes
+from dmuon.tools.models import Llama, get_config, matrix_shapes
 
 
 def test_table_ratios():
     results = [
-        BenchResult("fsdp-adamw", 2, 10.0, 100.0, None, 2**20, 5.0),
-        BenchResult("fsdp-torch-muon", 2, 80.0, 180.0, None, 2**21, 4.0),
-        BenchResult("fsdp-dmuon", 2, 20.0, 110.0, 1234 * 2**20, 3 * 2**19, 4.0),  # sent: 1,234 MiB
+        BenchResult("fsdp-adamw", 2, 10.0, 100.0, 0.0, 3 * 2**20, 2**20, 5.0),
+        BenchResult("fsdp-torch-muon", 2, 80.0, 180.0, None, 3 * 2**20, 2**21, 4.0),
+        BenchResult("fsdp-dmuon", 2, 20.0, 110.0, 1234 * 2**20, 3 * 2**20, 3 * 2**19, 4.0),  # the optimizer: 1,234 MiB
     ]
     table = format_table(results, verbose=True)
     rows = [line for line in table.splitlines() if line.startswith("fsdp-dmuon")]
     assert "1.10" in rows[0] and "+10.0%" in rows[0] and "0.25" in rows[0] and "1.50" in rows[0]
-    assert "1,234" in rows[1]  # --verbose: the bytes
+    assert "1,234" in rows[1] and "3.00" in rows[1]  # --verbose: the optimizer's bytes and the training's
+    vanilla = next(line for line in table.splitlines() if line.startswith("fsdp-torch-muon") and "3.00" in line)
+    assert vanilla.split()[1] == "-"  # its DTensor traffic is not counted
     assert "  fsdp-dmuon         step 1.10x AdamW (+10%); 0.61x vanilla Muon (-39%)" in table
 
 
@@ -28,13 +32,22 @@ def test_tiny_run_writes_json(tmp_path):
                  "--configs", "fsdp-adamw,fsdp-dmuon,ownerz2-dmuon", "--json", str(out)]) == 0
     records = json.loads(out.read_text())
     assert [r["config"] for r in records] == ["fsdp-adamw", "fsdp-dmuon", "ownerz2-dmuon"]
-    assert records[1]["bytes_per_step"] > 0 and records[0]["bytes_per_step"] is None
-    # owner-sharded at 2 ranks: a broadcast and a reduce of the Muon matrices, P bytes per rank,
-    # plus the optimizer's few bytes of agreement flags
-    muon_bytes = 4 * sum(m * n for _, m, n in matrix_shapes(get_config("tiny")))
-    assert muon_bytes <= records[2]["bytes_per_step"] < muon_bytes + 100
+    # the optimizer's own collectives: none for AdamW; dmuon's exchange; the owner mode's agreement flags only
+    assert records[0]["opt_bytes_per_step"] == 0 and records[1]["opt_bytes_per_step"] > 10_000
+    assert 0 < records[2]["opt_bytes_per_step"] < 100
+    # the training traffic, one accounting for all: at 2 ranks FSDP2 sends half of (the root's
+    # parameters + twice the layers' + every gradient); owner Z2 moves the Muon matrices by a
+    # broadcast and a reduce (half of each at 2 ranks) instead of the layers' gathers and reduce-scatter
+    model = Llama(get_config("tiny"))
+    total = 4 * sum(p.numel() for p in model.parameters())
+    layers = 4 * sum(p.numel() for p in model.layers.parameters())
+    muon = 4 * sum(m * n for _, m, n in matrix_shapes(get_config("tiny")))
+    fsdp = 0.5 * ((total - layers) + 2 * layers + total)
+    assert records[0]["train_bytes_per_step"] == records[1]["train_bytes_per_step"] == pytest.approx(fsdp)
+    assert records[2]["train_bytes_per_step"] == pytest.approx(fsdp - 0.5 * 3 * muon + 0.5 * 2 * muon)
     assert all(r["world_size"] == 2 and r["step_ms"] > 0 and r["peak_mem_bytes"] > 0 for r in records)
-    assert set(records[0]) == {"config", "world_size", "opt_step_ms", "step_ms", "bytes_per_step",
+    assert set(records[0]) == {"config", "world_size", "opt_step_ms", "step_ms", "opt_bytes_per_step",
+                               "train_bytes_per_step",
                                "peak_mem_bytes", "final_loss",
                                # added: per-round times, ratios with their range, the run's load and warnings
                                "round_opt_step_ms", "round_step_ms", "opt_step_vs_vanilla",
@@ -63,7 +76,7 @@ def test_bf16_wire_configuration_sends_half_the_bytes_of_the_exact_one(tmp_path)
     exact, bf16 = json.loads(out.read_text())
     assert bf16["config"] == "fsdp-dmuon-bf16wire"
     # fp32 parameters: two bytes an element on the wire instead of four, plus the agreement's few bytes
-    assert 0.45 * exact["bytes_per_step"] < bf16["bytes_per_step"] < 0.55 * exact["bytes_per_step"]
+    assert 0.45 * exact["opt_bytes_per_step"] < bf16["opt_bytes_per_step"] < 0.55 * exact["opt_bytes_per_step"]
 
 
 def test_throughput_tables_run_on_cpu():
@@ -99,3 +112,13 @@ def test_ns_accuracy_check_runs_on_cpu(capsys):
     assert ns_accuracy(["--device", "cpu", "--dtype", "float32", "--shapes", "32x96,48x48"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("PASS")
     assert ns_accuracy(["--device", "cpu", "--dtype", "float32", "--shapes", "32x96", "--bound", "0"]) == 1
+
+
+def test_training_traffic_by_the_ring_costs():
+    # 4 ranks: 3/4 of the bytes per gather, reduce-scatter, broadcast or reduce; 6/4 per all-reduce
+    assert training_traffic("ddp", 4, root_bytes=100, layer_bytes=300, owned_bytes=0) == 1.5 * 400
+    assert training_traffic("fsdp", 4, 100, 300, 0) == 0.75 * ((100 + 600) + 400)
+    # Z2: the owned 200 bytes broadcast once and reduced once; Z3 broadcasts them twice
+    assert training_traffic("ownerz2", 4, 100, 300, 200) == 0.75 * ((100 + 200) + 200) + 0.75 * 400
+    assert training_traffic("ownerz3", 4, 100, 300, 200) == 0.75 * ((100 + 200) + 200) + 0.75 * 600
+    assert training_traffic("ddp", 1, 100, 300, 0) == 0

@@ -125,8 +125,8 @@ def test_a_load_change_within_rounds_widens_the_interval_and_warns(fake_clock):
 
 
 def test_other_load_during_the_rounds_warns():
-    results = [BenchResult("fsdp-adamw", 2, 10.0, 100.0, None, 0, 5.0, (10.0, 10.0), (100.0, 100.0)),
-               BenchResult("fsdp-torch-muon", 2, 80.0, 180.0, None, 0, 4.0, (80.0, 80.0), (180.0, 180.0))]
+    results = [BenchResult("fsdp-adamw", 2, 10.0, 100.0, None, None, 0, 5.0, (10.0, 10.0), (100.0, 100.0)),
+               BenchResult("fsdp-torch-muon", 2, 80.0, 180.0, None, None, 0, 4.0, (80.0, 80.0), (180.0, 180.0))]
     assert all(r["trustworthy"] for r in json_records(results, Load(0.1, 2)))
     assert "WARNING" not in format_table(results, Load(0.1, 2))
     busy = Load(0.5, 2)
@@ -157,7 +157,7 @@ def test_run_times_every_configuration_in_one_set_of_ranks(monkeypatch, tmp_path
         calls.append((names, mode))
         if mode == "memory":
             return 2**20 * (2 if names.endswith("adamw") else 1)
-        return {"results": {n: BenchResult(n, 2, 10.0 * (i + 1), 100.0 * (i + 1), None, 0, 4.0,
+        return {"results": {n: BenchResult(n, 2, 10.0 * (i + 1), 100.0 * (i + 1), None, None, 0, 4.0,
                                            (10.0 * (i + 1),) * 2, (100.0 * (i + 1),) * 2)
                             for i, n in enumerate(names)}}
 
@@ -234,16 +234,16 @@ def test_auto_preset_is_bench_only_where_bf16_products_are_native(monkeypatch, n
 def test_only_the_headline_ratios_warn():
     """Optimizer-step ratios (AdamW's few ms, dmuon's, early start's) spread with jitter and decide
     nothing; a dmuon configuration's whole step against AdamW's or vanilla Muon's does."""
-    vanilla = BenchResult("fsdp-torch-muon", 2, 100.0, 200.0, None, 0, 4.0, (100.0, 100.0), (200.0, 200.0))
-    adamw = BenchResult("fsdp-adamw", 2, 1.5, 100.0, None, 0, 5.0, (1.0, 2.0), (100.0, 100.0))
+    vanilla = BenchResult("fsdp-torch-muon", 2, 100.0, 200.0, None, None, 0, 4.0, (100.0, 100.0), (200.0, 200.0))
+    adamw = BenchResult("fsdp-adamw", 2, 1.5, 100.0, None, None, 0, 5.0, (1.0, 2.0), (100.0, 100.0))
     assert run_warnings([adamw, vanilla], Load(0.0, 2)) == []
-    dmuon = BenchResult("fsdp-dmuon", 2, 50.0, 150.0, None, 0, 4.0, (40.0, 80.0), (150.0, 150.0))
+    dmuon = BenchResult("fsdp-dmuon", 2, 50.0, 150.0, None, None, 0, 4.0, (40.0, 80.0), (150.0, 150.0))
     assert run_warnings([adamw, vanilla, dmuon], Load(0.0, 2)) == []  # its optimizer step alone: shown, not judged
-    jumpy = BenchResult("fsdp-dmuon", 2, 50.0, 150.0, None, 0, 4.0, (40.0, 80.0), (120.0, 180.0))
+    jumpy = BenchResult("fsdp-dmuon", 2, 50.0, 150.0, None, None, 0, 4.0, (40.0, 80.0), (120.0, 180.0))
     assert any("fsdp-dmuon step vs adamw" in w for w in run_warnings([adamw, vanilla, jumpy], Load(0.0, 2)))
-    early = BenchResult("fsdp-dmuon-early", 2, 3.0, 150.0, None, 0, 4.0, (1.0, 5.0), (150.0, 150.0))
+    early = BenchResult("fsdp-dmuon-early", 2, 3.0, 150.0, None, None, 0, 4.0, (1.0, 5.0), (150.0, 150.0))
     assert run_warnings([adamw, vanilla, early], Load(0.0, 2)) == []
-    jittery = BenchResult("fsdp-dmuon-early", 2, 3.0, 150.0, None, 0, 4.0, (1.0, 5.0), (120.0, 180.0))
+    jittery = BenchResult("fsdp-dmuon-early", 2, 3.0, 150.0, None, None, 0, 4.0, (1.0, 5.0), (120.0, 180.0))
     assert any("fsdp-dmuon-early step vs adamw" in w for w in run_warnings([adamw, vanilla, jittery], Load(0.0, 2)))
 
 
@@ -289,7 +289,7 @@ def test_the_verdict_states_the_model_and_the_tokens_per_step():
 
 
 def test_a_run_without_baselines_says_it_has_no_ratios():
-    alone = BenchResult("fsdp-dmuon", 2, 50.0, 150.0, None, 0, 4.0, (50.0, 50.0), (150.0, 150.0))
+    alone = BenchResult("fsdp-dmuon", 2, 50.0, 150.0, None, None, 0, 4.0, (50.0, 50.0), (150.0, 150.0))
     table = format_table([alone], Load(0.0, 2))
     assert "no AdamW or vanilla Muon of the same mode in this run: no ratios" in table
     assert "settled" not in table and "WARNING" not in table
