@@ -221,3 +221,24 @@ def test_plan_on_cpu_says_it_measures_first_and_names_small_models_in_millions(t
     captured = capsys.readouterr()
     assert captured.err.startswith("dmuon plan: measuring this machine first")
     assert "dmuon plan: demo (919 k parameters, 786 k in 28 Muon matrices)" in captured.out
+
+
+def test_the_api_reference_names_every_command_and_quotes_errors_as_raised():
+    """docs/api.md against the code: the command list, and its example error messages."""
+    import re
+    from pathlib import Path
+
+    from dmuon.tools.cli import SUBCOMMANDS
+
+    api = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    listed = re.search(r"The command line is `dmuon ([a-z |]+)`", api).group(1).split(" | ")
+    assert sorted(listed) == sorted(SUBCOMMANDS)
+    flat = " ".join(api.split())  # the examples wrap across lines
+    for options, group in (({"momentum": 1.0}, False), ({"momentum": 1.0}, True), ({"lr": float("inf")}, False)):
+        param = torch.nn.Parameter(torch.zeros(3, 3))
+        try:
+            dmuon.Muon([{"params": [param], **options}] if group else [param], **({} if group else options))
+        except ValueError as err:
+            assert f"`{err}`" in flat, err
+        else:
+            raise AssertionError(f"{options} was accepted")
