@@ -292,7 +292,7 @@ def _recording_taken(model: nn.Module, hooked: dict[str, nn.Module]) -> list[str
 
 
 NOT_RECORDED = -math.inf
-_OK, _NONFINITE, _BAD_RECORD = 0.0, 1.0, 2.0
+_NONFINITE, _BAD_RECORD = 1.0, 2.0  # per-layer problem codes in the all-reduced records (0: none)
 
 
 class QKClip:
