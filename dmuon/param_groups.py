@@ -12,7 +12,6 @@ group's lr from there), and per parameter, in lists parallel to ``"params"``: ``
 from __future__ import annotations
 
 import difflib
-
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -142,7 +141,7 @@ def named_entries(param_group: dict[str, Any], where: str) -> list[Entry]:
     pairs = [isinstance(item, tuple) for item in params]
     if any(pairs) and not all(pairs):
         raise ValueError(f"Parameters{where} mix (name, tensor) pairs and bare tensors: give all of them "
-                        "names or none.")
+                         "names or none.")
     names = param_group.get("param_names")
     if names is not None and len(names) != len(params):
         raise ValueError(f"param_names{where} has {len(names)} names for {len(params)} parameters.")

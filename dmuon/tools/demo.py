@@ -24,8 +24,8 @@ from torch import nn
 
 import dmuon
 from dmuon.tools.cli import check_seq_len, name_list, non_negative_float, output_path, positive_float, positive_int
-from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config
 from dmuon.tools.hardware import OtherJobsCpu, machine_cores
+from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config
 
 OptimizerFactory = Callable[[Llama, float, float], list[torch.optim.Optimizer]]
 """Builds the optimizer(s) of one configuration from ``(model, lr, weight_decay)``."""
@@ -158,9 +158,10 @@ def default_threads(cores: int, other_jobs: float) -> tuple[int, str]:
     """Intra-op threads for the cores other jobs leave free (at least one), and why: two threads
     on two cores that another job also uses run slower than one."""
     free = max(1, min(cores, int(cores - other_jobs + 0.5)))
+    threads = f"{free} thread{'s' if free > 1 else ''}"
     if free == cores:
-        return cores, f"{cores} threads, one per core"
-    return free, f"{free} thread{'s' if free > 1 else ''}: other jobs use {other_jobs:.1f} of {cores} cores"
+        return cores, f"{threads}, one per core"
+    return free, f"{threads}: other jobs use {other_jobs:.1f} of {cores} cores"
 
 
 def format_table(results: Sequence[RunResult], baseline: str = "adamw") -> str:

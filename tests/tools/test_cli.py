@@ -242,3 +242,7 @@ def test_the_api_reference_names_every_command_and_quotes_errors_as_raised():
             assert f"`{err}`" in flat, err
         else:
             raise AssertionError(f"{options} was accepted")
+
+
+def test_demo_on_one_core_says_one_thread():
+    assert dmuon.tools.demo.default_threads(1, 0.0) == (1, "1 thread, one per core")
