@@ -87,6 +87,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str | None = "match_rms_adamw",
         use_addmm: bool = False,
+        *,  # torch.optim.Muon's arguments above, in its order; dmuon's own by keyword only
         ns_method: str = "auto",
         ns_dtype: torch.dtype | str | None = None,
         ns_restarts: Sequence[int] | None = None,
