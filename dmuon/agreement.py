@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.elementwise import finite_flags, local, maybe_nonfinite
+from dmuon.tensors import finite_flags, local, maybe_nonfinite
 from dmuon.exchange import CommCounter, all_gather_bytes, all_reduce_max
 
 Fingerprint = Sequence[tuple[str, str]]

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dmuon.elementwise import local
+from dmuon.tensors import local
 from dmuon.layout import owned_by
 from dmuon.step_plan import StepPlan, StepValues
 from dmuon.strategies.base import Context

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from dmuon.hyperparameters import adamw_hyperparameters
 from dmuon.orthogonalization import NSConfig, orthogonalize
+from dmuon.tensors import local
 
 def update_momentum(buf: Tensor, grad: Tensor, momentum: Tensor) -> None:
     """``B ← μ·B + (1−μ)·G``, μ a 0-D tensor (compiled once for every μ)."""
@@ -59,48 +59,6 @@ def compile_kernels(backend: str | Callable = "inductor") -> CompiledKernels:
 def scalar(value: float | Tensor, device: torch.device) -> Tensor:
     """A hyperparameter as the 0-D fp32 tensor the compiled kernels take."""
     return torch.as_tensor(value, dtype=torch.float32, device=device)
-
-
-def local(tensor: Tensor) -> Tensor:
-    """This rank's piece of a tensor: the local shard of a DTensor (a view: writes go through)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def maybe_nonfinite(tensors: Sequence[Tensor]) -> Tensor:
-    """A quick look for non-finite tensors, as a bool vector (no host sync): True where a
-    tensor's 2-norm accumulated in its own precision (at least fp32) is not finite.
-
-    It is True for every tensor holding a NaN or ±inf, and also for huge finite ones whose
-    squares overflow (|x| ≳ 1.8e19 in fp32); :func:`finite_flags` tells the two apart for the
-    few it flags. ``tensors`` must not be empty. One ``torch._foreach_norm`` call, about 1.7×
-    faster on CPU than the exact check in fp64."""
-    wide = any(t.dtype == torch.float64 for t in tensors)
-    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float64 if wide else torch.float32)
-    return ~torch.stack(norms).isfinite()
-
-
-def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
-    """Whether each tensor is all finite, exactly, as a bool vector (no host sync).
-
-    A tensor is finite exactly when its 2-norm accumulated in fp64 is: NaN and ±inf propagate,
-    and squares of fp32/bf16/fp16 values (below 3.4e38) cannot overflow fp64, so huge but finite
-    tensors pass. fp64 tensors take the infinity norm instead (a maximum cannot overflow;
-    ``torch._foreach_norm`` computes it about 3× slower on CPU). Empty tensors are finite."""
-    if tensors and all(t.dtype != torch.float64 and t.numel() for t in tensors):  # the usual case: one call
-        return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float64)).isfinite()
-    flags = torch.ones(len(tensors), dtype=torch.bool, device=tensors[0].device if tensors else None)
-    for wide in (False, True):
-        chosen = [i for i, t in enumerate(tensors) if t.numel() and (t.dtype == torch.float64) == wide]
-        if not chosen:
-            continue
-        picked = [tensors[i] for i in chosen]
-        norms = torch._foreach_norm(picked, float("inf")) if wide else \
-            torch._foreach_norm(picked, 2, dtype=torch.float64)
-        finite = torch.stack(norms).isfinite()
-        if len(chosen) == len(tensors):
-            return finite
-        flags[chosen] = finite
-    return flags
 
 
 def update_momentum_all(bufs: list[Tensor], grads: list[Tensor], momentum: float) -> None:
@@ -154,14 +112,12 @@ def _addable(update: Tensor, dtype: torch.dtype) -> Tensor:
 def update_momentum_of(entries: Sequence[tuple], state: dict, kernels: CompiledKernels | None
                        ) -> dict[int, tuple[Tensor, Tensor]]:
     """``B ← μ·B + (1−μ)·G`` for the Muon parameters of ``entries`` ((name, param, group, view)),
-    creating the buffers on the first step; one call per group. Returns this rank's pieces of
+    whose buffers the optimizer has created; one call per group. Returns this rank's pieces of
     each parameter's gradient and buffer, by ``id`` of the parameter (the step's Newton–Schulz
     inputs are made of them)."""
     pieces: dict[int, tuple[Tensor, Tensor]] = {}
     by_group: dict[int, list] = {}
     for _, p, group, _ in entries:
-        if "momentum_buffer" not in state[p]:
-            state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         by_group.setdefault(id(group), [group]).append(p)
     for group, *params in by_group.values():
         bufs = [local(state[p]["momentum_buffer"]) for p in params]
@@ -185,13 +141,8 @@ def adamw_steps(groups: Sequence[dict], state: dict, stepped: set[int]) -> None:
 def adamw_step(group: dict, state: dict, stepped: set[int]) -> None:
     """torch's AdamW on a group's AdamW parameters whose ``id`` is in ``stepped`` (they have a
     gradient on every rank), with the group's AdamW hyperparameters
-    (:func:`dmuon.hyperparameters.adamw_hyperparameters`)."""
+    (:func:`dmuon.hyperparameters.adamw_hyperparameters`), whose state the optimizer has created."""
     params = [p for p, alg in zip(group["params"], group["algorithms"]) if alg == "adamw" and id(p) in stepped]
-    for p in params:
-        if not state[p]:
-            state[p]["step"] = torch.zeros((), dtype=torch.float32)
-            state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     if not params:
         return
     hyper = adamw_hyperparameters(group)

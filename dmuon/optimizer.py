@@ -391,6 +391,7 @@ class Muon(torch.optim.Optimizer):
                 # then names every parameter, as torch.distributed.checkpoint requires to load.
                 self.state[p]
         entries = [e for e in muon if id(e[1]) in stepped]
+        self._init_state(entries, stepped)
         adamw = partial(adamw_steps, self.param_groups, self.state, stepped)
         if not entries:
             adamw()
@@ -412,6 +413,20 @@ class Muon(torch.optim.Optimizer):
             self._engine.run(plan.prepared, values)
         self._arm_early_start()
         return loss
+
+    def _init_state(self, muon: Sequence[tuple], stepped: set[int]) -> None:
+        """The state of each parameter this step updates, created at its first step (as torch's
+        ``_init_group`` does): Muon's momentum buffer, AdamW's step count and two moments, each
+        shaped and placed like the parameter (a DTensor's: its placement)."""
+        for _, p, _, _ in muon:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for group in self.param_groups:
+            for p, algorithm in zip(group["params"], group["algorithms"]):
+                if algorithm == "adamw" and id(p) in stepped and not self.state[p]:
+                    self.state[p].update(step=torch.zeros((), dtype=torch.float32),
+                                         exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                         exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
 
     @property
     def _compiled(self) -> bool:

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from dmuon.cuda_graphs import GraphedOrthogonalize
-from dmuon.elementwise import CompiledKernels, apply_updates_all, compile_kernels, local, nesterov_inputs_all, scalar
+from dmuon.elementwise import CompiledKernels, apply_updates_all, compile_kernels, nesterov_inputs_all, scalar
 from dmuon.engine import Block, MatrixWork, Orthogonalizer, PreparedStep, unit_of
 from dmuon.exchange import GroupRef, gather_whole
 from dmuon.hyperparameters import EngineOptions, adjusted_lr_ratio, ns_config
@@ -33,6 +33,7 @@ from dmuon.layout import detect_layout, owned_by, piece_of
 from dmuon.orthogonalization import gram_all_reduces, newton_schulz_flops, orthogonalize
 from dmuon.planner import choose_distributed, choose_gangs, distributed_cost, gang_costs, split_replicas_is_cheaper
 from dmuon.routing import block_rows, matrix_shape
+from dmuon.tensors import local
 
 # (name, parameter, its param group, its matrix view): a Muon parameter as the optimizer lists it
 MuonEntry = tuple[str, Tensor, dict[str, Any], str]

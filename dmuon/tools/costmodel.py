@@ -293,7 +293,7 @@ def memory_seconds(nbytes: float, workload: Workload) -> float:
 
 
 def check_seconds(elements: float | Tensor, workload: Workload) -> float | Tensor:
-    """The non-finite check (:func:`dmuon.elementwise.finite_flags`) of ``elements`` gradient
+    """The non-finite check (:func:`dmuon.tensors.finite_flags`) of ``elements`` gradient
     elements on one rank: at the profile's measured rate where it has one (CPU), else
     memory-bound at CHECK_BYTES per element."""
     rate = workload.profile.check_rate

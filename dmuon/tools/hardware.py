@@ -215,10 +215,10 @@ def measure_memory_bandwidth(numel: int = 1 << 23, reps: int = 9) -> float:
 
 
 def measure_check_rate(numel: int = 1 << 20, reps: int = 9) -> float:
-    """Elements/s of the optimizer's non-finite check (:func:`dmuon.elementwise.finite_flags`) on
+    """Elements/s of the optimizer's non-finite check (:func:`dmuon.tensors.finite_flags`) on
     fp32: measured rather than priced by its bytes, since reductions on CPUs run well below
     the memory bandwidth of the streaming element-wise kernels."""
-    from dmuon.elementwise import finite_flags  # the cost model's layer sits above the optimizer
+    from dmuon.tensors import finite_flags  # the tools import the product only where they need it
 
     x = torch.rand(numel)
     return numel / _best_seconds(lambda: finite_flags([x]), reps)

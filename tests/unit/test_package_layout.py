@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,41 @@ def test_no_product_module_imports_a_tool():
             if any(name == "dmuon.tools" or name.startswith("dmuon.tools.") for name in names):
                 offenders.append(f"{product.name}:{node.lineno}")
     assert offenders == []
+
+
+def documented_layers() -> dict[str, int]:
+    """Module → its row in docs/architecture.md's layer table (``strategies/`` stands for the
+    package's modules)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text[text.index("| layer | modules |"):].split("\n\n", 1)[0].splitlines()[2:]
+    layers = {}
+    for row, line in enumerate(table):
+        for name in re.findall(r"`([a-z_]+(?:\.py|/))`", line.split("|")[2]):
+            if name.endswith("/"):
+                for path in (ROOT / "dmuon" / name).glob("[!_]*.py"):
+                    layers[f"dmuon.{name[:-1]}.{path.stem}"] = row
+            elif (ROOT / "dmuon" / name).exists():  # not one of a folder's files, named beside it
+                layers[f"dmuon.{name[:-3]}"] = row
+    return layers
+
+
+def dmuon_imports(path: Path) -> set[str]:
+    """The dmuon modules a file imports, anywhere in it (functions included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("dmuon")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dmuon"):
+            found |= {f"{node.module}.{a.name}" if node.module == "dmuon" else node.module for a in node.names}
+    return found
+
+
+def test_every_import_follows_the_documented_layers():
+    layers = documented_layers()
+    files = [p for p in (ROOT / "dmuon").rglob("*.py") if "tools" not in p.parts and p.stem not in ("__init__", "__main__")]
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in files}
+    assert sorted(modules) == sorted(layers), "docs/architecture.md's table must list every module of the product"
+    broken = [f"{module} (row {layers[module]}) imports {imported} (row {layers[imported]})"
+              for module, path in modules.items() for imported in sorted(dmuon_imports(path))
+              if imported in layers and layers[imported] > layers[module]]
+    assert not broken, broken

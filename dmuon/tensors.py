@@ -1,0 +1,52 @@
+"""Tiny tensor helpers every floor uses: this rank's piece of a tensor, and the finite checks.
+Imports nothing of dmuon."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's piece of a tensor: the local shard of a DTensor (a view: writes go through)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def maybe_nonfinite(tensors: Sequence[Tensor]) -> Tensor:
+    """A quick look for non-finite tensors, as a bool vector (no host sync): True where a
+    tensor's 2-norm accumulated in its own precision (at least fp32) is not finite.
+
+    It is True for every tensor holding a NaN or ±inf, and also for huge finite ones whose
+    squares overflow (|x| ≳ 1.8e19 in fp32); :func:`finite_flags` tells the two apart for the
+    few it flags. ``tensors`` must not be empty. One ``torch._foreach_norm`` call, about 1.7×
+    faster on CPU than the exact check in fp64."""
+    wide = any(t.dtype == torch.float64 for t in tensors)
+    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float64 if wide else torch.float32)
+    return ~torch.stack(norms).isfinite()
+
+
+def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
+    """Whether each tensor is all finite, exactly, as a bool vector (no host sync).
+
+    A tensor is finite exactly when its 2-norm accumulated in fp64 is: NaN and ±inf propagate,
+    and squares of fp32/bf16/fp16 values (below 3.4e38) cannot overflow fp64, so huge but finite
+    tensors pass. fp64 tensors take the infinity norm instead (a maximum cannot overflow;
+    ``torch._foreach_norm`` computes it about 3× slower on CPU). Empty tensors are finite."""
+    if tensors and all(t.dtype != torch.float64 and t.numel() for t in tensors):  # the usual case: one call
+        return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float64)).isfinite()
+    flags = torch.ones(len(tensors), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    for wide in (False, True):
+        chosen = [i for i, t in enumerate(tensors) if t.numel() and (t.dtype == torch.float64) == wide]
+        if not chosen:
+            continue
+        picked = [tensors[i] for i in chosen]
+        norms = torch._foreach_norm(picked, float("inf")) if wide else \
+            torch._foreach_norm(picked, 2, dtype=torch.float64)
+        finite = torch.stack(norms).isfinite()
+        if len(chosen) == len(tensors):
+            return finite
+        flags[chosen] = finite
+    return flags
