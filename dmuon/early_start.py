@@ -55,11 +55,11 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dmuon.tensors import local
 from dmuon.layout import owned_by
 from dmuon.step_plan import StepPlan, StepValues
 from dmuon.strategies.base import Context
 from dmuon.strategies.planned import PlannedExchange
+from dmuon.tensors import local
 
 # what each rank's run can be used for at step() (the ranks agree on the highest)
 USED, NOT_USED, CHANGED = 0, 1, 2

@@ -171,14 +171,18 @@ def names_in(model: nn.Module | None) -> Callable[[list[Entry], str], list[Entry
     return lookup
 
 
+def _routed_by_shape(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The groups routed by shape alone: no names, no module, no ``"algorithm"``."""
+    return [g for g in groups if g["algorithm"] is None and "param_names" not in g]
+
+
 def check_not_a_whole_model_by_shape(groups: Sequence[dict[str, Any]]) -> None:
     """Refuse the bare tensors of a whole model routed by shape alone (e.g. ``model.parameters()``
     or nanoGPT's decay / no-decay groups): their embeddings and output head would go to Muon. A
     model's, here: at least two matrices and two vectors (norms, biases) with no names and no
     ``"algorithm"``. Matrices alone (what ``torch.optim.Muon`` takes), or a layer's weight and
     bias, only get :func:`shape_routing_warning`'s warning."""
-    blind = [g for g in groups if g["algorithm"] is None and "param_names" not in g]
-    matrices = sum(alg == "muon" for g in blind for alg in g["algorithms"])
+    matrices = sum(alg == "muon" for g in _routed_by_shape(groups) for alg in g["algorithms"])
     vectors = sum(p.ndim < 2 for g in groups for p in g["params"] if isinstance(p, Tensor))
     if matrices >= 2 and vectors >= 2:
         raise ValueError(
@@ -193,8 +197,7 @@ def check_not_a_whole_model_by_shape(groups: Sequence[dict[str, Any]]) -> None:
 def shape_routing_warning(groups: Sequence[dict[str, Any]]) -> str | None:
     """The warning for matrices that went to Muon by shape alone (no names, no module, no
     override), or None."""
-    blind = sum(alg == "muon" for g in groups if g["algorithm"] is None and "param_names" not in g
-                for alg in g["algorithms"])
+    blind = sum(alg == "muon" for g in _routed_by_shape(groups) for alg in g["algorithms"])
     if not blind:
         return None
     return (f"dmuon.Muon routed {blind} {'matrix' if blind == 1 else 'matrices'} to Muon by shape alone: without "

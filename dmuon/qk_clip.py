@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dmuon.agreement import agreed_call
-from dmuon.exchange import all_reduce_max, default_device, job_group
+from dmuon.exchange import all_reduce_max, collective_device, job_group
 from dmuon.layout import owned_by, piece_of
 
 SCORES_PER_CHUNK = 1 << 24  # max_logits holds at most this many fp32 scores at a time (64 MiB)
@@ -85,7 +85,7 @@ class AttentionLayer:
         return found
 
 
-def check_layer(name: str, layer: AttentionLayer, in_optimizer: set[int]) -> None:
+def check_layer(name: str, layer: AttentionLayer, in_optimizer: Collection[int]) -> None:
     """Raise a ValueError naming the layer and the value if ``layer`` is not a consistent
     description of parameters the optimizer updates."""
     for key in ("num_heads", "head_dim"):
@@ -377,11 +377,7 @@ class QKClip:
     # ------------------------------------------------------------ construction
 
     def _device(self) -> torch.device:
-        first = next(iter(self.layers.values()), None)
-        if first is not None and isinstance(first.q_weight, Tensor) and first.q_weight.device.type != "meta":
-            weight = first.q_weight
-            return (weight.to_local() if isinstance(weight, DTensor) else weight).device
-        return default_device(self._group) if self._group is not None else torch.device("cpu")
+        return collective_device(self.optimizer.param_groups, self._group)
 
     def _check(self) -> None:
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not (
@@ -391,12 +387,11 @@ class QKClip:
             raise ValueError(f"Invalid alpha={self.alpha!r}. Must be in [0, 1].")
         if not self.layers:
             raise ValueError("QKClip needs at least one attention layer.")
-        in_optimizer = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        positions = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
         for name, layer in self.layers.items():
             if not isinstance(layer, AttentionLayer):
                 raise ValueError(f"Attention layer {name!r} is a {type(layer).__name__}, not an AttentionLayer.")
-            check_layer(name, layer, in_optimizer)
-        positions = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+            check_layer(name, layer, positions.keys())
         self._positions = {name: tuple(positions[id(t)] for _, t, _, _ in layer.targets())
                            for name, layer in self.layers.items()}
 
