@@ -303,6 +303,10 @@ class _Trainer:
         config = get_config(args.preset, **({"n_layers": args.layers} if args.layers else {}))
         self.model = Llama(config, seed=args.seed).to(device)
         self.wrapped, self.sharding = wrap_model(self.model, parallel, world, device, mesh)
+        owned = sum(p.numel() * p.element_size() for p in self.sharding.params) if self.sharding else 0
+        layers = sum(p.numel() * p.element_size() for p in self.model.layers.parameters())
+        root = sum(p.numel() * p.element_size() for p in self.model.parameters()) - layers
+        self.train_bytes = training_traffic(parallel, world, root, layers, owned)  # the same every step
         variant = next((v for v in ("bf16wire", "early", "atstep") if optimizer.endswith(f"-{v}")), None)
         optimizer = optimizer.removesuffix(f"-{variant}")
         comm_dtype = torch.bfloat16 if variant == "bf16wire" else COMM_DTYPES[args.comm_dtype]
@@ -341,10 +345,7 @@ class _Trainer:
         parallel, optimizer = self.name.split("-", 1)
         sent = stats.bytes_sent if stats is not None else (
             0.0 if optimizer == "adamw" or (optimizer == "torch-muon" and parallel == "ddp") else None)
-        owned = sum(p.numel() * p.element_size() for p in self.sharding.params) if self.sharding else 0
-        layers = sum(p.numel() * p.element_size() for p in self.model.layers.parameters())
-        root = sum(p.numel() * p.element_size() for p in self.model.parameters()) - layers
-        return sent, training_traffic(parallel, self.world, root, layers, owned)
+        return sent, self.train_bytes
 
     def ns_alone_s(self) -> float | None:
         """dmuon.Muon's Newton–Schulz calls of the last step on this rank, timed alone (None for
