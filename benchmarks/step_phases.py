@@ -35,10 +35,10 @@ TIMED = [
     ("dmuon.optimizer", "agree_on_step", "agree on the step"),
     ("dmuon.optimizer", "update_momentum_of", "momentum"),
     ("dmuon.elementwise", "adamw_step", "AdamW"),
-    ("dmuon.step_plan", "StepValues.inputs", "Nesterov inputs"),
+    ("dmuon.step_values", "StepValues.inputs", "Nesterov inputs"),
     ("dmuon.strategies.planned", "start_all_to_all", "pack + start all-to-all"),
     ("dmuon.exchange", "PendingExchange.wait", "wait for an all-to-all"),
-    ("dmuon.step_plan", "StepValues.apply", "apply updates"),
+    ("dmuon.step_values", "StepValues.apply", "apply updates"),
 ]
 PHASES = [phase for _, _, phase in TIMED] + ["Newton-Schulz", "other"]
 WARMUP = 2

@@ -56,7 +56,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dmuon.layout import owned_by
-from dmuon.step_plan import StepPlan, StepValues
+from dmuon.step_plan import StepPlan
+from dmuon.step_values import StepValues
 from dmuon.strategies.base import Context
 from dmuon.strategies.planned import PlannedExchange
 from dmuon.tensors import local
@@ -77,7 +78,7 @@ def unsupported_because(plan: StepPlan, compiled: bool) -> str | None:
     """Why early start cannot run ``plan`` (None: it can)."""
     if compiled:
         return "compile or cuda_graphs: the compiled step runs as a whole"
-    if len(plan.prepared.strategies) != 1 or not isinstance(plan.prepared.strategies[0], PlannedExchange):
+    if len(plan.strategies) != 1 or not isinstance(plan.strategies[0], PlannedExchange):
         return "the plan has gangs, gathered layouts or distributed Newton-Schulz, which do not run in stages"
     for target, work in zip(plan.targets, plan.works):
         p = target.param
@@ -146,7 +147,7 @@ class _Run:
     def __init__(self, plan: StepPlan, state: dict, context: Context, start_step: Callable[[], None],
                  stream: Any) -> None:
         self.plan = plan
-        strategy: PlannedExchange = plan.prepared.strategies[0]
+        strategy: PlannedExchange = plan.strategies[0]
         self.values = EarlyValues(plan, state)
         self.context, self.start_step, self.stream = context, start_step, stream
         self.stages: Iterator[int] = strategy.stages(self.values, context)

@@ -25,7 +25,8 @@ from dmuon.orthogonalization import NORMALIZATION_EPS, default_dtype_reason
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
 from dmuon.routing import Route, module_roles
 from dmuon.statistics import step_statistics
-from dmuon.step_plan import StepPlan, StepValues, build_engine, steps_here
+from dmuon.step_plan import StepPlan, build_engine, steps_here
+from dmuon.step_values import StepValues
 
 
 class Muon(torch.optim.Optimizer):
@@ -256,7 +257,7 @@ class Muon(torch.optim.Optimizer):
     @property
     def plans(self) -> list[Plan]:
         """The plan of each exchange group (usually one): owners, buckets, bytes; see Plan.table()."""
-        return self._engine.plans_for(self._planner.works(self._stepped_here()))
+        return self._planner.exchange_plans(self._planner.works(self._stepped_here()))
 
     def _stepped_here(self) -> list:
         """The Muon entries this rank steps (all, unless owner-sharded to other ranks)."""
@@ -346,7 +347,7 @@ class Muon(torch.optim.Optimizer):
     def _order_buckets(self) -> None:
         """Where early start will run, the plan's buckets follow the backward pass (the model's
         order reversed); elsewhere the cost order."""
-        self._engine.ready_order = wanted(self._options.early_start, self._collective_device().type)
+        self._planner.ready_order = wanted(self._options.early_start, self._collective_device().type)
 
     # ------------------------------------------------------------------ step
 
@@ -398,7 +399,7 @@ class Muon(torch.optim.Optimizer):
             self._arm_early_start()
             return loss
         # the plan kept, unless what it depends on changed; AdamW runs while the exchange waits
-        plan = self._plan = self._planner.plan_for(self._plan, entries, self._group_label, self._collective_device())
+        plan = self._plan = self._planner.step_plan(self._plan, entries, self._group_label, self._collective_device())
         if self._early.setting:  # early_start=True where this plan cannot run it: raised before anything moves
             self._early.check(plan, self._compiled)
         pieces = update_momentum_of(entries, self.state, self._kernels)
@@ -410,7 +411,7 @@ class Muon(torch.optim.Optimizer):
         else:
             if run is not None:
                 self._engine.start_step()  # the statistics count this step's run, not the unused one
-            self._engine.run(plan.prepared, values)
+            self._engine.run(plan.strategies, values)
         self._arm_early_start()
         return loss
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -298,6 +298,22 @@ def ready_buckets(units: Sequence[Unit], costs: Sequence[float], size: int,
     return owners, buckets
 
 
+def column_block_flops(count: int, m: int, n: int, config: NSConfig, shards: int) -> int:
+    """NS FLOPs of each of ``shards`` ranks orthogonalizing ``count`` m×n matrices together on
+    their own column blocks (Gram side m; :func:`dmuon.orthogonalization.orthogonalize_column_blocks`)."""
+    return count * newton_schulz_flops(m, -(-n // shards), steps=config.steps, method=config.method,
+                                       restarts=config.restarts, gram_side=m)
+
+
+def column_block_cost(count: int, m: int, n: int, config: NSConfig, shards: int,
+                      flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> float:
+    """What every rank of a group of ``shards`` pays when ``count`` m×n matrices (Gram side m)
+    run distributed NS on their column blocks: :func:`column_block_flops` and the all-reduces
+    of the fp32 Gram matrices (:func:`distributed_cost`)."""
+    return distributed_cost(column_block_flops(count, m, n, config, shards), 4 * count * m**2,
+                            gram_all_reduces(config), shards, flops_per_byte)
+
+
 def distributed_cost(blocks_flops: int, gram_bytes: int, all_reduces: int, size: int,
                      flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> float:
     """Time-equivalent (in FLOPs) that *every* rank of a group of ``size`` pays when a matrix is
@@ -447,3 +463,95 @@ def split_replicas_is_cheaper(units: Sequence[Unit], flops_per_byte: float = DEF
     ]
     alone = make_plan(alone_units, shards, 1, flops_per_byte=flops_per_byte)
     return split.makespan_cost(flops_per_byte) < alone.makespan_cost(flops_per_byte)
+
+
+# ---------------------------------------------------------------------------- the choices, in order
+
+
+@dataclass(frozen=True)
+class MatrixOptions:
+    """One Muon matrix as :func:`choose` sees it: the two ways its layout may be owned whole,
+    and what else could be done with it."""
+
+    shared: Unit  # owned whole, HSDP replica groups sharing the work (the layout as the ranks hold it)
+    per_replica: Unit  # owned whole, each HSDP replica group doing all its work (``shared`` without HSDP)
+    config: NSConfig  # its Newton–Schulz recipe, owned whole
+    wire: str  # the dtype its values cross the network in: an exchange group never mixes two
+    # what every rank pays when its group runs distributed NS on its column blocks
+    # (:func:`column_block_cost`); None where it cannot: not a 1-D sharded, unfused DTensor matrix
+    column_block_cost: float | None = None
+    splittable: bool = False  # one unfused 2-D matrix with a process group: a gang could split it
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What :func:`choose` decided: whether HSDP replica groups share the work, the matrices run
+    as distributed NS on their column blocks, and those split over gangs (index → positions)."""
+
+    split_replicas: bool
+    column_blocks: frozenset[int] = frozenset()
+    gangs: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+def exchange_groups(layouts: Sequence[Layout], wires: Sequence[str]) -> list[list[int]]:
+    """Indices per exchange group and wire dtype (a bucket never mixes dtypes), larger groups
+    first, then by ranks: the same order on every rank, so no rank waits in one group while its
+    peer waits in another."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (layout, wire) in enumerate(zip(layouts, wires)):
+        groups.setdefault((-layout.size, layout.group_ranks, layout.replicas, wire), []).append(i)
+    return [groups[key] for key in sorted(groups)]
+
+
+def column_blocks_fit(layout: Layout) -> bool:
+    """Whether a matrix held as ``layout`` can run distributed NS in place: its rows split over
+    one group of several ranks, no replicas, whole rows on each rank."""
+    return (not layout.gathered or layout.rows_partitioned) and layout.replicas == 1 and layout.shards > 1
+
+
+def choose(matrices: Sequence[MatrixOptions], *, replica_split: bool | None = None,
+           distributed_ns: bool | None = None, ready_order: bool = False,
+           bucket_bytes: int = DEFAULT_BUCKET_BYTES, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> Choices:
+    """Every choice the cost model makes for a step, in order; ``dmuon.Muon``'s step plan and
+    ``dmuon plan``'s cost model both call it, so they cannot disagree.
+
+    1. HSDP (``replica_split=None``): whether the replica groups share the work
+       (:func:`split_replicas_is_cheaper`).
+    2. With ``distributed_ns=None``, per exchange group, the 1-D sharded matrices that run
+       distributed NS on their column blocks (:func:`choose_distributed`; ``True``: all that can);
+       ``False``, or ``None`` where early start runs (``ready_order``), keeps every matrix whole.
+    3. With ``distributed_ns=None``, per exchange group, the matrices split over gangs
+       (:func:`choose_gangs`).
+    """
+    split_replicas = replica_split
+    if split_replicas is None:
+        shared = [m.shared for m in matrices]
+        hsdp = any(u.layout.replicas > 1 and u.layout.shards > 1 for u in shared)
+        split_replicas = not hsdp or split_replicas_is_cheaper(shared, flops_per_byte)
+    units = [m.shared if split_replicas else m.per_replica for m in matrices]
+    if distributed_ns is False or (distributed_ns is None and ready_order):
+        return Choices(split_replicas)
+    wires = [m.wire for m in matrices]
+    costs = [m.column_block_cost if m.column_block_cost is not None and column_blocks_fit(u.layout) else None
+             for m, u in zip(matrices, units)]
+    column_blocks: frozenset[int] = frozenset(i for i, c in enumerate(costs) if c is not None)
+    if distributed_ns:
+        return Choices(split_replicas, column_blocks)
+    if column_blocks:
+        column_blocks = frozenset(
+            members[j]
+            for members in exchange_groups([u.layout for u in units], wires)
+            for j in choose_distributed([units[i] for i in members], [costs[i] for i in members],
+                                        units[members[0]].layout.size, units[members[0]].layout.replicas,
+                                        bucket_bytes=bucket_bytes, flops_per_byte=flops_per_byte))
+    eligible = [i for i, (m, u) in enumerate(zip(matrices, units))
+                if m.splittable and i not in column_blocks and u.layout.size > 1 and not u.layout.gathered]
+    gangs: dict[int, tuple[int, ...]] = {}
+    for members in exchange_groups([units[i].layout for i in eligible], [wires[i] for i in eligible]):
+        group = [eligible[i] for i in members]
+        group_units = [units[i] for i in group]
+        layout = group_units[0].layout
+        chosen = choose_gangs(group_units, gang_costs(group_units, [matrices[i].config for i in group], flops_per_byte),
+                              layout.size, layout.replicas, flops_per_byte=flops_per_byte)
+        gangs.update((group[j], gang) for j, gang in chosen.items())
+    return Choices(split_replicas, column_blocks, gangs)

@@ -4,12 +4,13 @@ For every Muon parameter it fixes the layout, the Newton–Schulz configuration 
 blocks), the orientation the exchange sees, the lr factor, and the cost model's choices —
 whether HSDP replicas split the work, which 1-D sharded matrices run distributed
 Newton–Schulz on their column blocks, which matrices are split over gangs of ranks — and from
-those the engine's strategies with their owners and buckets. The optimizer keeps one plan and
-rebuilds it only when its key changes: other parameter objects (as after Accelerate's
-``prepare``), other parameters with a gradient, a changed ``requires_grad``, other
-Newton–Schulz options, or a new group or loaded state. A step then only moves values:
-:class:`StepValues` answers the strategies' requests for inputs and applies their updates, in
-``torch._foreach_*`` calls over the parameters of a group.
+those the strategies (:mod:`dmuon.strategies`) with their owners, buckets and process groups. It is
+the one place that decides: the cost model's choices come from :func:`dmuon.planner.choose`,
+which ``dmuon plan`` calls too, and the engine (:mod:`dmuon.engine`) only runs what the plan
+lists. The optimizer keeps one plan and rebuilds it only when its key changes: other parameter
+objects (as after Accelerate's ``prepare``), other parameters with a gradient, a changed
+``requires_grad``, other Newton–Schulz options, or a new group or loaded state. A step then only
+moves values (:mod:`dmuon.step_values`).
 """
 
 from __future__ import annotations
@@ -25,14 +26,20 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from dmuon.cuda_graphs import GraphedOrthogonalize
-from dmuon.elementwise import CompiledKernels, apply_updates_all, compile_kernels, nesterov_inputs_all, scalar
-from dmuon.engine import Block, MatrixWork, Orthogonalizer, PreparedStep, unit_of
+from dmuon.elementwise import CompiledKernels, compile_kernels
+from dmuon.engine import Engine
 from dmuon.exchange import GroupRef, gather_whole
 from dmuon.hyperparameters import EngineOptions, adjusted_lr_ratio, ns_config
 from dmuon.layout import detect_layout, owned_by, piece_of
-from dmuon.orthogonalization import gram_all_reduces, newton_schulz_flops, orthogonalize
-from dmuon.planner import choose_distributed, choose_gangs, distributed_cost, gang_costs, split_replicas_is_cheaper
+from dmuon.orthogonalization import orthogonalize
+from dmuon.planner import (DEFAULT_FLOPS_PER_BYTE, MatrixOptions, Plan, Unit, choose, column_block_cost, column_blocks_fit,
+                           exchange_groups, make_plan)
 from dmuon.routing import block_rows, matrix_shape
+from dmuon.strategies.base import Block, MatrixWork, Strategy, unit_of, wire_dtype
+from dmuon.strategies.column_blocks import ColumnBlocks
+from dmuon.strategies.gangs import Gangs
+from dmuon.strategies.gathered import GatheredFallback
+from dmuon.strategies.planned import PlannedExchange
 from dmuon.tensors import local
 
 # (name, parameter, its param group, its matrix view): a Muon parameter as the optimizer lists it
@@ -73,52 +80,47 @@ class Target:
 
 @dataclass(frozen=True)
 class StepPlan:
+    """What a step does, decided once: the works, where their values live, and the strategies
+    that orthogonalize them, in the order every rank runs them."""
+
     key: tuple
     works: tuple[MatrixWork, ...]
     targets: tuple[Target, ...]
-    prepared: PreparedStep
-    chunks: dict[tuple[int, ...], list] = field(default_factory=dict)  # StepValues' groupings (_Chunk)
+    strategies: tuple[Strategy, ...]
+    chunks: dict[tuple[int, ...], list] = field(default_factory=dict)  # StepValues' groupings
 
 
-def column_block_candidate(p: Tensor, layout, process_group, blocks: tuple) -> bool:
-    """Whether the ranks holding ``p``'s shards can orthogonalize it together on their own
-    column blocks (distributed NS): a matrix sharded on one dim over one group — or on dim 0
-    over every dim of a mesh of all ranks (FSDP + column-wise TP) — unfused."""
-    return (isinstance(p, DTensor) and p.ndim == 2 and process_group is not None and not blocks
-            and (not layout.gathered or layout.rows_partitioned) and layout.replicas == 1 and layout.shards > 1)
-
-
-def gang_eligible(work: MatrixWork) -> bool:
-    """Whether ``work`` could be split over a gang (:mod:`dmuon.strategies.gangs`): one unfused
-    matrix of a planned exchange group of several ranks."""
-    return (work.group is not None and work.layout.size > 1 and not work.layout.gathered and not work.column_blocks
-            and not work.blocks and work.count == 1 and len(work.layout.shape) == 2)
+def column_blocks_possible(p: Tensor, process_group: dist.ProcessGroup | None, blocks: tuple) -> bool:
+    """Whether ``p``'s kind allows distributed NS on the ranks' own column blocks: an unfused
+    DTensor matrix with a process group (its layout decides the rest:
+    :func:`dmuon.planner.column_blocks_fit`)."""
+    return isinstance(p, DTensor) and p.ndim == 2 and process_group is not None and not blocks
 
 
 def build_engine(options: EngineOptions, process_group: dist.ProcessGroup | None,
-                 measured: dict[tuple[int, int], str]) -> tuple[CompiledKernels | None, Orthogonalizer, StepPlanner]:
+                 measured: dict[tuple[int, int], str]) -> tuple[CompiledKernels | None, Engine, StepPlanner]:
     """An optimizer's compiled kernels (None unless ``options.compile``), engine and planner;
     ``measured``: with ``symmetric_products="auto"``, the faster kernel per shape."""
     kernels = compile_kernels("inductor" if options.compile is True else options.compile) if options.compile else None
     ns = kernels.orthogonalize if kernels else orthogonalize
-    engine = Orthogonalizer(options.bucket_bytes, options.comm_dtype,
-                            orthogonalize_fn=GraphedOrthogonalize(ns) if options.cuda_graphs else ns)
-    planner = StepPlanner(engine, process_group, options.replica_split, options.distributed_ns,
-                          options.symmetric_products, measured)
-    return kernels, engine, planner
+    engine = Engine(options.comm_dtype, orthogonalize_fn=GraphedOrthogonalize(ns) if options.cuda_graphs else ns)
+    return kernels, engine, StepPlanner(options, process_group, measured)
 
 
 class StepPlanner:
-    """Builds step plans for one optimizer (its options and engine)."""
+    """Builds step plans for one optimizer, from its options."""
 
-    def __init__(self, engine: Orthogonalizer, process_group: dist.ProcessGroup | None, replica_split: bool | None,
-                 distributed_ns: bool | None, symmetric_products: str, measured: dict[tuple[int, int], str]) -> None:
-        self.engine = engine
+    def __init__(self, options: EngineOptions, process_group: dist.ProcessGroup | None,
+                 measured: dict[tuple[int, int], str], flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> None:
         self._process_group = GroupRef(process_group)
-        self.replica_split = replica_split
-        self.distributed_ns = distributed_ns
-        self.symmetric_products = symmetric_products
+        self.comm_dtype = options.comm_dtype
+        self.bucket_bytes = options.bucket_bytes
+        self.replica_split = options.replica_split
+        self.distributed_ns = options.distributed_ns
+        self.symmetric_products = options.symmetric_products
         self.measured = measured  # with "auto": the faster kernel per shape, measured at construction
+        self.flops_per_byte = flops_per_byte
+        self.ready_order = False  # buckets in the backward pass's order (early start), not the cost order
 
     def symmetric_for(self, shape: tuple[int, int]) -> str:
         """The symmetric-product kernel for an m×n Newton–Schulz: the option, or with "auto" the
@@ -127,8 +129,8 @@ class StepPlanner:
             return self.symmetric_products
         return self.measured.get(tuple(shape), "torch")
 
-    def plan_for(self, kept: StepPlan | None, entries: Sequence[MuonEntry], labels: Callable[[dict], str],
-                 device: torch.device) -> StepPlan:
+    def step_plan(self, kept: StepPlan | None, entries: Sequence[MuonEntry], labels: Callable[[dict], str],
+                  device: torch.device) -> StepPlan:
         """The plan for stepping ``entries``: ``kept``, unless what it depends on (:func:`plan_key`) changed."""
         key = plan_key(entries)
         return kept if kept is not None and kept.key == key else self.build(key, entries, labels, device)
@@ -137,7 +139,7 @@ class StepPlanner:
               device: torch.device) -> StepPlan:
         works = self.works(entries)
         targets = tuple(self._target(e, w, labels) for e, w in zip(entries, works))
-        return StepPlan(key, tuple(works), targets, self.engine.prepare(works, device))
+        return StepPlan(key, tuple(works), targets, self.strategies(works, device))
 
     def _target(self, entry: MuonEntry, work: MatrixWork, labels: Callable[[dict], str]) -> Target:
         _, p, group, view = entry
@@ -148,70 +150,92 @@ class StepPlanner:
     # ------------------------------------------------------------------ the cost model's choices
 
     def works(self, entries: Sequence[MuonEntry]) -> list[MatrixWork]:
-        """Each matrix to one owner, split across its group, or over a gang. Where early start
-        runs (the engine's buckets follow the backward pass), the cost model keeps every matrix
-        whole: early start runs the planned exchange only, and hides most of it in the backward
-        pass (``distributed_ns=True`` still splits, and turns early start off)."""
-        works = self._owned_works(entries)
-        if self.distributed_ns is False or (self.distributed_ns is None and self.engine.ready_order):
-            return works
-        candidates = [i for i, ((_, p, _, _), w) in enumerate(zip(entries, works))
-                      if column_block_candidate(p, w.layout, w.group, w.blocks)]
-        if candidates:
-            chosen = set(candidates) if self.distributed_ns else self._column_block_choice(entries, works, candidates)
-            works = [self._work(e, split_replicas=False, column_blocks=True) if i in chosen else w
-                     for i, (e, w) in enumerate(zip(entries, works))]
-        return works if self.distributed_ns else self._gang_choice(works)
+        """Each matrix to one owner, split across its group, or over a gang, as
+        :func:`dmuon.planner.choose` decides. Where early start runs (buckets follow the backward
+        pass) every matrix stays whole: early start runs the planned exchange only, and hides
+        most of it in the backward pass (``distributed_ns=True`` still splits, and turns early
+        start off)."""
+        shared = [self._work(e, split_replicas=self.replica_split is not False) for e in entries]
+        per_replica = shared
+        if self.replica_split is None and any(w.layout.replicas > 1 and w.layout.shards > 1 for w in shared):
+            per_replica = [self._work(e, split_replicas=False) for e in entries]
+        options = [MatrixOptions(self._unit(s), self._unit(r), s.config, str(self._wire(s)),
+                                 self._column_block_cost(e, r), self._splittable(s))
+                   for e, s, r in zip(entries, shared, per_replica)]
+        choices = choose(options, replica_split=self.replica_split, distributed_ns=self.distributed_ns,
+                         ready_order=self.ready_order, bucket_bytes=self.bucket_bytes,
+                         flops_per_byte=self.flops_per_byte)
+        works = shared if choices.split_replicas else per_replica
+        return [self._work(e, split_replicas=False, column_blocks=True) if i in choices.column_blocks
+                else replace(w, gang=choices.gangs[i]) if i in choices.gangs else w
+                for i, (e, w) in enumerate(zip(entries, works))]
 
-    def _owned_works(self, entries: Sequence[MuonEntry]) -> list[MatrixWork]:
-        split_replicas = self.replica_split
-        if split_replicas is None:  # HSDP: the cost model decides whether replicas split the work
-            works = [self._work(e, split_replicas=True) for e in entries]
-            if not any(w.layout.replicas > 1 and w.layout.shards > 1 for w in works):
-                return works
-            units = [unit_of(w, self.engine.wire_itemsize(w)) for w in works]
-            if split_replicas_is_cheaper(units, self.engine.flops_per_byte):
-                return works
-            split_replicas = False
-        return [self._work(e, split_replicas=split_replicas) for e in entries]
+    def _column_block_cost(self, entry: MuonEntry, work: MatrixWork) -> float | None:
+        """What every rank of the group pays when ``entry`` (laid out as ``work``, replicas not
+        split) runs distributed NS on its column blocks; None where it cannot."""
+        if self.distributed_ns is False or not (column_blocks_possible(entry[1], work.group, work.blocks)
+                                                and column_blocks_fit(work.layout)):
+            return None
+        blocks = self._work(entry, split_replicas=False, column_blocks=True)
+        return column_block_cost(blocks.count, blocks.m, blocks.n, blocks.config, blocks.layout.shards,
+                                 self.flops_per_byte)
 
-    def _column_block_choice(self, entries: Sequence[MuonEntry], works: list[MatrixWork],
-                             candidates: list[int]) -> set[int]:
-        """The cost model's choice of distributed NS (:func:`dmuon.planner.choose_distributed`),
-        per exchange group."""
-        chosen: set[int] = set()
-        for members in self.engine.group_indices(works):
-            units = [unit_of(works[i], self.engine.wire_itemsize(works[i])) for i in members]
-            costs = [self._column_block_cost(self._work(entries[i], split_replicas=False, column_blocks=True))
-                     if i in candidates
-                     else None for i in members]
-            layout = works[members[0]].layout
-            picked = choose_distributed(units, costs, layout.size, layout.replicas,
-                                        bucket_bytes=self.engine.bucket_bytes, flops_per_byte=self.engine.flops_per_byte)
-            chosen.update(members[j] for j in picked)
-        return chosen
+    @staticmethod
+    def _splittable(work: MatrixWork) -> bool:
+        """One unfused 2-D matrix with a process group: a gang could split it."""
+        return work.group is not None and not work.blocks and work.count == 1 and len(work.layout.shape) == 2
 
-    def _column_block_cost(self, work: MatrixWork) -> float:
-        """What every rank of the group pays when ``work`` (in column-block form) is split."""
-        config, size = work.config, work.layout.shards
-        blocks_flops = work.count * newton_schulz_flops(work.m, -(-work.n // size), steps=config.steps,
-                                                        method=config.method, restarts=config.restarts,
-                                                        gram_side=work.m)
-        return distributed_cost(blocks_flops, 4 * work.count * work.m**2, gram_all_reduces(config), size,
-                                self.engine.flops_per_byte)
+    def _wire(self, work: MatrixWork) -> torch.dtype:
+        return wire_dtype(work, self.comm_dtype)
 
-    def _gang_choice(self, works: list[MatrixWork]) -> list[MatrixWork]:
-        """The cost model's choice of matrices to split over gangs of ranks
-        (:func:`dmuon.planner.choose_gangs`), per exchange group."""
-        eligible = [i for i, w in enumerate(works) if gang_eligible(w)]
-        for members in self.engine.group_indices([works[i] for i in eligible]):
-            group_works = [works[eligible[i]] for i in members]
-            units = [unit_of(w, self.engine.wire_itemsize(w)) for w in group_works]
-            layout, fpb = group_works[0].layout, self.engine.flops_per_byte
-            costs = gang_costs(units, [w.config for w in group_works], fpb)
-            for j, gang in choose_gangs(units, costs, layout.size, layout.replicas, flops_per_byte=fpb).items():
-                works[eligible[members[j]]] = replace(works[eligible[members[j]]], gang=gang)
-        return works
+    def _unit(self, work: MatrixWork) -> Unit:
+        return unit_of(work, torch.empty(0, dtype=self._wire(work)).element_size())
+
+    # ------------------------------------------------------------------ exchange groups and strategies
+
+    def _exchange_groups(self, works: Sequence[MatrixWork]) -> list[list[int]]:
+        return exchange_groups([w.layout for w in works], [str(self._wire(w)) for w in works])
+
+    @staticmethod
+    def _planned(work: MatrixWork) -> bool:
+        return not (work.layout.gathered or work.column_blocks or work.gang)
+
+    def exchange_plans(self, works: Sequence[MatrixWork]) -> list[Plan]:
+        """The plan of each exchange group of the planned exchange (other strategies have none)."""
+        planned = [w for w in works if self._planned(w)]
+        return [self._exchange_plan([planned[i] for i in members]) for members in self._exchange_groups(planned)]
+
+    def _exchange_plan(self, works: Sequence[MatrixWork]) -> Plan:
+        layout = works[0].layout
+        return make_plan([self._unit(w) for w in works], layout.size, layout.replicas, bucket_bytes=self.bucket_bytes,
+                         flops_per_byte=self.flops_per_byte, ready_order=self.ready_order)
+
+    def strategies(self, works: Sequence[MatrixWork], device: torch.device) -> tuple[Strategy, ...]:
+        """The strategies for ``works``, in the order every rank runs them: gangs first, then
+        the planned exchange of each exchange group, the gathered fallback, and distributed NS
+        on column blocks. Indices into ``works`` are what a step's StepIO answers to."""
+        strategies: list[Strategy] = []
+
+        def subset(keep: Callable[[MatrixWork], bool]) -> list[int]:
+            return [i for i, w in enumerate(works) if keep(w)]
+
+        split = subset(lambda w: bool(w.gang))
+        for members in self._exchange_groups([works[i] for i in split]):
+            indices = [split[i] for i in members]
+            strategies.append(Gangs(indices, [works[i] for i in indices], device))
+        planned = subset(self._planned)
+        for members in self._exchange_groups([works[i] for i in planned]):
+            indices = [planned[i] for i in members]
+            chosen = [works[i] for i in indices]
+            strategies.append(PlannedExchange(indices, chosen, self._exchange_plan(chosen), device))
+        gathered = subset(lambda w: w.layout.gathered and not w.column_blocks)
+        if gathered:
+            chosen = [works[i] for i in gathered]
+            strategies.append(GatheredFallback(gathered, chosen, [self._unit(w) for w in chosen]))
+        columns = subset(lambda w: w.column_blocks)
+        if columns:
+            strategies.append(ColumnBlocks(columns, [works[i] for i in columns]))
+        return tuple(strategies)
 
     # ------------------------------------------------------------------ one matrix
 
@@ -237,7 +261,7 @@ class StepPlanner:
         )
         # distributed NS on the ranks' own column blocks: (Gram side, other side); a Shard(1)
         # matrix is split by columns already, a Shard(0) one by the columns of its transpose
-        column_blocks = column_blocks and column_block_candidate(p, layout, process_group, blocks)
+        column_blocks = column_blocks and column_blocks_possible(p, process_group, blocks) and column_blocks_fit(layout)
         if column_blocks:
             count, m, n = 1, *((rows_of_p, cols_of_p) if layout.transposed else (cols_of_p, rows_of_p))
             config = ns_config(group, (m, n), p.device.type, self.symmetric_for((m, n)))
@@ -251,86 +275,3 @@ class StepPlanner:
         local_shape = tuple(piece.mT.shape if transpose else piece.shape)
         return MatrixWork(name, local_shape, piece.dtype, layout, GroupRef(process_group), count, m, n, config, blocks,
                           whole, part, column_blocks)
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """Some of a request's works that one foreach call serves: same param group, same lr factor."""
-
-    positions: tuple[int, ...]  # in the request
-    targets: tuple[Target, ...]
-    params: tuple[Tensor, ...]
-    transposed: tuple[bool, ...]
-    numel: int  # of this rank's pieces
-
-    @classmethod
-    def of(cls, positions: list[int], targets: list[Target]) -> _Chunk:
-        return cls(tuple(positions), tuple(targets), tuple(t.param for t in targets),
-                   tuple(t.transpose for t in targets), sum(local(t.param).numel() for t in targets))
-
-
-class StepValues:
-    """The values of one step for the engine's strategies (:class:`dmuon.engine.StepIO`): the
-    Newton–Schulz inputs from the momentum (computed when asked, a group's at a time), and the
-    updates applied to the parameters, with the update statistics accumulated on the device."""
-
-    def __init__(self, plan: StepPlan, pieces: dict[int, tuple[Tensor, Tensor]], kernels: CompiledKernels | None,
-                 squares: dict[str, list], independent: Callable[[], None] | None = None) -> None:
-        self.plan, self.pieces, self.kernels, self.squares = plan, pieces, kernels, squares  # pieces: (grad, buffer)
-        self.independent = independent  # what overlap() runs once
-
-    def overlap(self) -> None:
-        independent, self.independent = self.independent, None
-        if independent is not None:
-            independent()
-
-    def _by_group(self, indices: Sequence[int]) -> list[_Chunk]:
-        """``indices`` by (param group, lr factor): one foreach call each. The same requests
-        come every step, so the answer is kept with the plan."""
-        key = tuple(indices)
-        chunks = self.plan.chunks.get(key)
-        if chunks is None:
-            by_key: dict[tuple, list[int]] = {}
-            for k, i in enumerate(indices):
-                target = self.plan.targets[i]
-                by_key.setdefault((id(target.group), target.scale), []).append(k)
-            chunks = self.plan.chunks[key] = [_Chunk.of(ks, [self.plan.targets[indices[k]] for k in ks])
-                                              for ks in by_key.values()]
-        return chunks
-
-    def inputs(self, indices: Sequence[int]) -> list[Tensor]:
-        out: list[Tensor | None] = [None] * len(indices)
-        for chunk in self._by_group(indices):
-            group = chunk.targets[0].group
-            grads, bufs = zip(*[self.pieces[id(p)] for p in chunk.params])
-            if not group["nesterov"]:
-                values = bufs
-            elif self.kernels is not None:
-                mu = scalar(group["momentum"], bufs[0].device)
-                values = [self.kernels.nesterov_input(g, b, mu) for g, b in zip(grads, bufs)]
-            else:
-                values = nesterov_inputs_all(list(grads), list(bufs), group["momentum"])
-            for k, transposed, value in zip(chunk.positions, chunk.transposed, values):
-                out[k] = value.mT if transposed else value
-        return out  # type: ignore[return-value]
-
-    def apply(self, indices: Sequence[int], updates: Sequence[Tensor], norms: Tensor | None = None) -> None:
-        for chunk in self._by_group(indices):
-            first = chunk.targets[0]
-            group, ratio = first.group, first.scale
-            params = [local(p) for p in chunk.params]
-            mine = [updates[k].mT if transposed else updates[k] for k, transposed in zip(chunk.positions, chunk.transposed)]
-            if norms is not None:
-                own = norms[list(chunk.positions)]
-            else:  # in fp32 at least, as the statistics always are (a norm cannot narrow fp64)
-                wide = any(u.dtype == torch.float64 for u in mine)
-                own = torch.stack(torch._foreach_norm(mine, 2, dtype=None if wide else torch.float32))
-            squares = self.squares.setdefault(first.label, [torch.zeros((), device=params[0].device), 0])
-            squares[0] += own.float().square().sum() * ratio**2  # a device tensor: no sync
-            squares[1] += chunk.numel
-            if self.kernels is not None:
-                lr, wd = scalar(group["lr"], params[0].device), scalar(group["weight_decay"], params[0].device)
-                for p, u in zip(params, mine):
-                    self.kernels.apply_update(p, u, lr, wd, ratio)
-            else:
-                apply_updates_all(params, mine, float(group["lr"]), group["weight_decay"], ratio)

@@ -76,6 +76,11 @@ class MatrixWork:
         return [(b.rows, b.config) for b in self.blocks] or [(self.m, self.config)]
 
 
+def wire_dtype(work: MatrixWork, comm_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``work``'s values cross the network in: ``comm_dtype``, or the parameter's."""
+    return comm_dtype or work.dtype
+
+
 def unit_of(work: MatrixWork, itemsize: int) -> Unit:
     """The planner's view of a work: its shape, layout, bytes per element on the wire, FLOPs."""
     per_matrix = sum(newton_schulz_flops(rows, work.n, steps=c.steps, method=c.method, restarts=c.restarts)
@@ -97,6 +102,18 @@ class StepIO(Protocol):
         """Run the step's work that needs nothing from the exchange (AdamW), the first time it
         is called: a strategy calls it where it would otherwise only wait on the network, and
         the engine after the last strategy."""
+
+
+class Strategy(Protocol):
+    """How some of a step plan's works are orthogonalized across ranks (one module of
+    :mod:`dmuon.strategies` each). Built once per step plan, with the indices of its works and
+    everything it needs worked out (owners, buckets, process groups); every rank runs every
+    strategy of the plan, in the plan's order."""
+
+    indices: list[int]  # its works, by index into the step plan's
+
+    def run(self, io: StepIO, ctx: Context) -> None:
+        """Ask ``io`` for the inputs, orthogonalize, and hand ``io`` this rank's updates."""
 
 
 @dataclass
@@ -174,7 +191,7 @@ class Context:
     stats: StepStats = field(default_factory=StepStats)
 
     def wire_dtype(self, work: MatrixWork) -> torch.dtype:
-        return self.comm_dtype or work.dtype
+        return wire_dtype(work, self.comm_dtype)
 
     def orthogonalize_whole(self, inputs: dict[int, Tensor | list[Tensor]], works: Sequence[MatrixWork],
                             batches: Sequence[Batch], flops: int) -> dict[int, Tensor]:

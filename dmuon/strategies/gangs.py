@@ -95,7 +95,16 @@ class Gangs:
         self.indices, self.works, self.device = list(indices), list(works), device
         self.me = works[0].layout.group_ranks.index(dist.get_rank())
         self.slices = [GangSlices(w) for w in works]
-        self._groups: dict[tuple[int, ...], GroupRef] = {}
+        # the process group of each gang this rank is in: made now, by its members alone, in the
+        # works' order on every member, one per distinct set of ranks; a step only uses them
+        self._groups: dict[int, GroupRef] = {}
+        made: dict[tuple[int, ...], GroupRef] = {}
+        for i, work in enumerate(works):
+            if self.me in work.gang:
+                ranks = tuple(work.layout.group_ranks[p] for p in work.gang)
+                if ranks not in made:
+                    made[ranks] = work.group_ref if len(ranks) == work.layout.size else GroupRef(new_subgroup(ranks))
+                self._groups[i] = made[ranks]  # torch.distributed's registry holds the group
 
     def run(self, io: StepIO, ctx: Context) -> None:
         blocks = self._gather_slices(io, ctx)
@@ -133,7 +142,7 @@ class Gangs:
     def _orthogonalize_slice(self, i: int, block: Tensor, ctx: Context) -> Tensor:
         """Distributed NS of this member's slice with the rest of its gang; its slice of the update."""
         work, sl = self.works[i], self.slices[i]
-        reduce = partial(all_reduce_sum, group=self._group(work), counter=ctx.counter)
+        reduce = partial(all_reduce_sum, group=self._groups[i](), counter=ctx.counter)
         column_block = sl.to_column_block(block)[None]
         with Timed(ctx.stats, column_block, work.config, column_blocks=True):
             update = orthogonalize_column_blocks(column_block, work.config, reduce)[0]
@@ -166,13 +175,3 @@ class Gangs:
                      for j, member in enumerate(work.gang)]
             mine.append(torch.cat(parts, dim=1 if sl.wide else 0).reshape(work.local_shape))
         io.apply(self.indices, mine)
-
-    def _group(self, work: MatrixWork) -> dist.ProcessGroup:
-        """The process group of ``work``'s gang: the exchange group itself when the gang is all of
-        it, else one group per distinct set of ranks, made once by its members alone."""
-        ranks = tuple(work.layout.group_ranks[p] for p in work.gang)
-        if len(ranks) == work.layout.size:
-            return work.group
-        if ranks not in self._groups:
-            self._groups[ranks] = GroupRef(new_subgroup(ranks))  # torch.distributed's registry holds it
-        return self._groups[ranks]()

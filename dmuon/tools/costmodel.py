@@ -47,8 +47,8 @@ from torch import Tensor
 from dmuon.layout import Layout
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops, resolve_config
 from dmuon.planner import (
-    DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Plan, Unit, choose_gangs, gang_costs, make_plan,
-    plan_ownership,
+    DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Choices, MatrixOptions, Plan, Unit, choose, column_block_cost,
+    column_block_flops, gang_member_flops, gang_slice_elements, make_plan, plan_ownership,
 )
 from dmuon.tools.hardware import RING_BYTES, HardwareProfile
 from dmuon.tools.models import PRESETS, LlamaConfig, get_config, matrix_shapes, param_count
@@ -253,23 +253,71 @@ def build_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...]]:
 
 @dataclass(frozen=True)
 class SplitUnit:
-    """A matrix the planner splits over a gang of ranks (:func:`dmuon.planner.choose_gangs`)."""
+    """A matrix orthogonalized by several ranks together: over a gang of them
+    (:func:`dmuon.planner.choose_gangs`; each member gets a slice of the long side), or by every
+    rank of its group on the column blocks it holds (``column_blocks``: distributed NS in place;
+    ``unit`` is then the transpose of a Shard(0) matrix, its Gram side ``unit.m``)."""
 
     unit: Unit
     config: NSConfig
     gang: tuple[int, ...]  # positions
+    column_blocks: bool = False
+
+    @property
+    def member_flops(self) -> int:
+        """NS FLOPs of each rank working on it."""
+        if self.column_blocks:
+            return column_block_flops(self.unit.count, self.unit.m, self.unit.n, self.config, len(self.gang))
+        return gang_member_flops(self.unit, self.config, len(self.gang))
+
+    @property
+    def member_elements(self) -> int:
+        """Elements of each rank's part of it: its column block, or its slice."""
+        if self.column_blocks:
+            return self.unit.count * self.unit.m * -(-self.unit.n // len(self.gang))
+        return gang_slice_elements(self.unit, len(self.gang))
+
+    @property
+    def gram_side(self) -> int:
+        return self.unit.m if self.column_blocks else min(self.unit.m, self.unit.n)
+
+
+def matrix_options(workload: Workload) -> list[MatrixOptions]:
+    """The workload's Muon matrices as :func:`dmuon.planner.choose` takes them, as ``dmuon.Muon``
+    would describe them: FSDP2's are Shard(0) DTensors, which may run distributed NS on their
+    column blocks (the transpose's: Gram side the columns)."""
+    units, configs = _units(workload)
+    options = []
+    for unit, config in zip(units, configs):
+        cost = None
+        if workload.mode == "fsdp2" and workload.world_size > 1:
+            blocks = ns_config(unit.n, unit.m, workload.profile.device_type)
+            cost = column_block_cost(unit.count, unit.n, unit.m, blocks, workload.world_size)
+        options.append(MatrixOptions(unit, unit, config, "", cost, splittable=True))
+    return options
+
+
+def choices(workload: Workload) -> Choices:
+    """What ``dmuon.Muon`` with default options decides for the workload (owner mode, and
+    ``workload.split`` off, keep every matrix whole)."""
+    if workload.mode == "owner":
+        return Choices(split_replicas=False)
+    return choose(matrix_options(workload), distributed_ns=None if workload.split else False,
+                  ready_order=workload.ready_order, bucket_bytes=workload.bucket_bytes)
 
 
 def split_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...], tuple[SplitUnit, ...]]:
-    """dmuon's plan when its cost model may also split matrices over gangs of ranks, as
-    ``dmuon.Muon`` does by default (FSDP2 and DDP; owner mode keeps matrices whole): the plan of
-    the whole matrices and their recipes, and the split ones."""
+    """dmuon's plan as ``dmuon.Muon`` makes it by default (:func:`choices`): the plan of the
+    matrices each owned whole and their recipes, and the matrices split over several ranks —
+    gangs first, then those on column blocks, the engine's order."""
     units, configs = _units(workload)
-    gangs: dict[int, tuple[int, ...]] = {}
-    if workload.split and workload.mode != "owner" and workload.world_size > 1:
-        gangs = choose_gangs(units, gang_costs(units, configs), workload.world_size, _replicas(workload))
-    rest = [i for i in range(len(units)) if i not in gangs]
-    split = tuple(SplitUnit(units[i], configs[i], gangs[i]) for i in sorted(gangs))
+    chosen = choices(workload)
+    everyone = tuple(range(workload.world_size))
+    split = tuple(SplitUnit(units[i], configs[i], chosen.gangs[i]) for i in sorted(chosen.gangs))
+    split += tuple(SplitUnit(dataclasses.replace(units[i], m=units[i].n, n=units[i].m),
+                             ns_config(units[i].n, units[i].m, workload.profile.device_type), everyone, True)
+                   for i in sorted(chosen.column_blocks))
+    rest = [i for i in range(len(units)) if i not in chosen.gangs and i not in chosen.column_blocks]
     return _plan([units[i] for i in rest], workload), tuple(configs[i] for i in rest), split
 
 

@@ -159,7 +159,10 @@ def predictions_table(p: Prediction, whole: Prediction | None = None) -> str:
                      "idle device time (an assumed 6 % of it, from one H200 measurement); its row's optimizer step "
                      "is what is left after the backward pass, of the whole-matrix plan")
     if p.split_matrices:
-        lines.append(f"dmuon splits {p.split_matrices} matrices over gangs of {p.gang_size} ranks"
+        gangs = p.split_matrices - p.column_block_matrices
+        parts = ([f"{gangs} matrices over gangs of {p.gang_size} ranks"] if gangs else []) + (
+            [f"{p.column_block_matrices} over all ranks on their column blocks"] if p.column_block_matrices else [])
+        lines.append("dmuon splits " + " and ".join(parts)
                      + ("; with early start (CUDA's default) every matrix stays whole" if p.early_start_hidden_ms
                         else ""))
     lines += [

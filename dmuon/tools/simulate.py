@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from dmuon.orthogonalization import NSConfig, gram_all_reduces
-from dmuon.planner import Plan, Unit, gang_member_flops, gang_slice_elements
+from dmuon.planner import Plan, Unit
 from dmuon.tools.costmodel import (
     APPLY_BYTES, MOMENTUM_BYTES, NESTEROV_BYTES, SplitUnit, Workload, adamw_params, adamw_seconds,
     adamw_step_seconds, build_plan, check_seconds, compute_seconds, data_parallel_copy_seconds,
@@ -221,8 +221,9 @@ class _Streams:
 
 def simulate_optimizer_step(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload,
                             costs: list[BucketCost] | None = None, split: tuple[SplitUnit, ...] = ()) -> Tensor:
-    """Seconds from the start of ``optimizer.step()`` to each rank's last applied update; the
-    ``split`` matrices (gangs) go first, as in the engine."""
+    """Seconds from the start of ``optimizer.step()`` to each rank's last applied update; of the
+    ``split`` matrices, those over gangs go first and those on column blocks last, as in the
+    engine."""
     costs = bucket_costs(plan, configs, workload) if costs is None else costs
     streams = _Streams(before_exchange_seconds(plan, workload) + gang_phase_seconds(split, workload), workload)
     if workload.world_size > 1:  # the all-reduce agreeing on skipped steps (blocking)
@@ -248,7 +249,7 @@ def simulate_optimizer_step(plan: Plan, configs: tuple[NSConfig, ...], workload:
     for done, end in returns:
         streams.wait(end)
         streams.now += costs[done].apply
-    return streams.now
+    return streams.now + column_block_phase_seconds(split, workload)
 
 
 def measured_elementwise_efficiency(workload: Workload, optimizer_step: float, newton_schulz: float) -> float:
@@ -272,36 +273,52 @@ def _row_shards(workload: Workload) -> int:
     return 1 if workload.mode == "ddp" else workload.world_size
 
 
+def _distributed_ns_seconds(s: SplitUnit, workload: Workload) -> float:
+    """One member's distributed NS of a split matrix: its share of the products, the repeated
+    Gram-side recurrence, and an all-reduce of the Gram matrix per restart (Gram NS) or step
+    (standard) among its ranks."""
+    bandwidth, latency = link(workload)
+    k = len(s.gang)
+    gram_bytes = 4 * s.unit.count * s.gram_side**2
+    ring = latency + 2 * (k - 1) / k * gram_bytes / (bandwidth * workload.profile.ring_efficiency("all_reduce"))
+    return (ns_seconds(s.member_flops, s.config, workload)
+            + memory_seconds(s.member_elements * normalize_bytes(s.config.dtype), workload)
+            + gram_all_reduces(s.config) * ring)
+
+
+def _local_elementwise_seconds(split: Sequence[SplitUnit], workload: Workload) -> float:
+    """Every rank's element-wise work on its rows of ``split``: check, momentum, NS input, apply."""
+    local = sum(s.unit.count * s.unit.m * s.unit.n for s in split) / _row_shards(workload)
+    return check_seconds(local, workload) + memory_seconds(
+        local * (MOMENTUM_BYTES + NESTEROV_BYTES + APPLY_BYTES), workload)
+
+
 def gang_phase_seconds(split: tuple[SplitUnit, ...], workload: Workload) -> float:
-    """The matrices split over gangs, before the owned ones (the engine's ``_run_gangs``): every
-    rank sends the members its rows of the split matrices, each gang runs distributed NS — its
-    share of the products, the repeated short-side recurrence, an all-reduce of the Gram matrix
-    per restart (Gram NS) or step (standard) — and every rank gets its rows back. The gangs run
-    at once: the costliest one decides. Both all-to-alls take the busier of a member (its slice
-    in, and out to everyone) and a non-member (its rows of every split matrix). Every rank also
-    does the element-wise work (check, momentum, NS input, apply) on its rows of them."""
-    if not split:
+    """The matrices split over gangs, before the owned ones (the engine runs gangs first): every
+    rank sends the members its rows of the split matrices, each gang runs distributed NS, and
+    every rank gets its rows back. The gangs run at once: the costliest one decides. Both
+    all-to-alls take the busier of a member (its slice in, and out to everyone) and a
+    non-member (its rows of every split matrix)."""
+    gangs = [s for s in split if not s.column_blocks]
+    if not gangs:
         return 0.0
-    profile = workload.profile
     bandwidth, latency = link(workload)
     shards = _row_shards(workload)
-    rows = sum(-(-s.unit.total_bytes // shards) for s in split) if shards > 1 else 0
-    # every rank's element-wise work on its rows of them: check, momentum, NS input, apply
-    local = sum(s.unit.count * s.unit.m * s.unit.n for s in split) / shards
-    elementwise = check_seconds(local, workload) + memory_seconds(
-        local * (MOMENTUM_BYTES + NESTEROV_BYTES + APPLY_BYTES), workload)
-    gangs = []
-    for s in split:
-        unit, config, k = s.unit, s.config, len(s.gang)
-        slice_elements = gang_slice_elements(unit, k)
-        gram_bytes = 4 * unit.count * min(unit.m, unit.n) ** 2
-        ring = latency + 2 * (k - 1) / k * gram_bytes / (bandwidth * profile.ring_efficiency("all_reduce"))
-        gangs.append((ns_seconds(gang_member_flops(unit, config, k), config, workload)
-                      + memory_seconds(slice_elements * normalize_bytes(config.dtype), workload)
-                      + gram_all_reduces(config) * ring, slice_elements * unit.itemsize))
-    member_bytes = max(b for _, b in gangs)
+    rows = sum(-(-s.unit.total_bytes // shards) for s in gangs) if shards > 1 else 0
+    member_bytes = max(s.member_elements * s.unit.itemsize for s in gangs)
     exchange = 2 * (latency + max(rows, member_bytes) / bandwidth)
-    return elementwise + max(t for t, _ in gangs) + exchange
+    return (_local_elementwise_seconds(gangs, workload) + max(_distributed_ns_seconds(s, workload) for s in gangs)
+            + exchange)
+
+
+def column_block_phase_seconds(split: tuple[SplitUnit, ...], workload: Workload) -> float:
+    """The matrices on column blocks, after the owned ones (the engine runs them last): every rank
+    of the group runs distributed NS on the columns it holds, one matrix after another; nothing
+    moves but the Gram matrices."""
+    blocks = [s for s in split if s.column_blocks]
+    if not blocks:
+        return 0.0
+    return _local_elementwise_seconds(blocks, workload) + sum(_distributed_ns_seconds(s, workload) for s in blocks)
 
 
 def total_traffic(costs: list[BucketCost], size: int) -> Traffic:
@@ -347,8 +364,9 @@ class Prediction:
     ns_gflop_per_rank: tuple[float, float, float]  # min, median, max
     mb_sent_per_rank: tuple[float, float, float]  # optimizer traffic: min, median, max
     imbalance: float  # max/mean NS FLOPs
-    split_matrices: int  # split over gangs of ranks
-    gang_size: int  # ranks per gang (0: none split)
+    split_matrices: int  # split over gangs of ranks, or over the whole group on column blocks
+    gang_size: int  # ranks per gang (0: no gang)
+    column_block_matrices: int  # of those, on column blocks (distributed NS in place)
     forward_backward_ms: float  # products alone, at the MFU
     data_parallel_comm_ms: float  # FSDP2 / DDP / owner-mode collectives of forward+backward
     adamw_opt_ms: float
@@ -414,11 +432,11 @@ def predict(workload: Workload, model: str = "") -> Prediction:
     sent = (traffic.intra_out + traffic.inter_out).double()
     flops = torch.tensor([plan.flops(p) for p in range(size)], dtype=torch.float64)
     shards = _row_shards(workload)
-    for s in split:  # a rank's rows out to the gang; a member's slice out to every other rank
-        sent += -(-s.unit.total_bytes // shards) if shards > 1 else 0
-        gang = list(s.gang)
-        sent[gang] += gang_slice_elements(s.unit, len(gang)) * s.unit.itemsize * (size - 1) / size
-        flops[gang] += gang_member_flops(s.unit, s.config, len(gang))
+    for s in split:
+        if not s.column_blocks:  # a rank's rows out to the gang; a member's slice out to every other rank
+            sent += -(-s.unit.total_bytes // shards) if shards > 1 else 0
+            sent[list(s.gang)] += s.member_elements * s.unit.itemsize * (size - 1) / size
+        flops[list(s.gang)] += s.member_flops
     units = [*plan.units, *(s.unit for s in split)]
     all_configs = [*configs, *(s.config for s in split)]
     adamw_step, vanilla_step, dmuon_step = base_fb + adamw_opt, base_fb + vanilla_opt, ours_fb + dmuon_opt
@@ -441,7 +459,8 @@ def predict(workload: Workload, model: str = "") -> Prediction:
         ns_gflop_total=sum(u.flops for u in units) / 1e9,
         ns_gflop_per_rank=_spread((flops / 1e9).tolist()), mb_sent_per_rank=_spread((sent / 2**20).tolist()),
         imbalance=(flops.max() / flops.mean()).item() if flops.sum() else 1.0,
-        split_matrices=len(split), gang_size=max((len(s.gang) for s in split), default=0),
+        split_matrices=len(split), gang_size=max((len(s.gang) for s in split if not s.column_blocks), default=0),
+        column_block_matrices=sum(s.column_blocks for s in split),
         forward_backward_ms=compute * ms, data_parallel_comm_ms=ours_dp * ms,
         adamw_opt_ms=adamw_opt * ms, adamw_step_ms=adamw_step * ms,
         vanilla_opt_ms=vanilla_opt * ms, vanilla_step_ms=vanilla_step * ms,

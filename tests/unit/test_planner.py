@@ -187,3 +187,40 @@ def test_early_start_buckets_follow_the_backward_pass_and_balance_each_bucket(wo
         assert len(bucket) >= world
         loads = [sum(costs[u] for u in bucket if plan.owners[u] == p) for p in range(world)]
         assert max(loads) <= sum(loads) / world + max(costs[u] for u in bucket) + 1e-12  # the LPT bound
+
+
+def test_choose_makes_every_choice_in_order():
+    """planner.choose: the options that turn choices off, and each choice where it pays."""
+    from dmuon.planner import MatrixOptions, choose, column_block_cost
+    from dmuon.orthogonalization import resolve_config
+
+    def options(shapes, world, replicas=1, column_blocks=False):
+        out = []
+        for i, (m, n) in enumerate(shapes):
+            config = resolve_config((m, n), "cpu")
+            flops = newton_schulz_flops(m, n, steps=config.steps, method=config.method, restarts=config.restarts)
+            layout = Layout((m, n), replicas, world // replicas, tuple(range(world)))
+            unit = Unit(f"w{i:03d}", layout, 1, m, n, 4, flops)
+            alone = Unit(unit.name, Layout((m, n), 1, world // replicas, tuple(range(world // replicas))), 1, m, n, 4,
+                         flops)
+            cost = column_block_cost(1, n, m, resolve_config((n, m), "cpu"), world) if column_blocks else None
+            out.append(MatrixOptions(unit, alone, config, "torch.float32", cost, splittable=True))
+        return out
+
+    dominant = options([(256, 2048)] + [(64, 64)] * 8, 4)
+    assert choose(dominant).gangs == {0: (0, 1, 2, 3)}  # one dominant matrix: a gang of all four
+    assert choose(dominant, distributed_ns=False).gangs == {}  # every matrix whole
+    assert choose(dominant, ready_order=True).gangs == {}  # early start: whole, too
+    balanced = options([(256, 256)] * 64, 8)
+    assert choose(balanced) == choose(balanced, distributed_ns=False)  # nothing pays: nothing split
+    # distributed_ns=True: every matrix that can runs on its column blocks, no gangs
+    sharded = options([(256, 2048)] + [(64, 64)] * 8, 4, column_blocks=True)
+    forced = choose(sharded, distributed_ns=True)
+    assert forced.column_blocks == frozenset(range(9)) and forced.gangs == {}
+    # a matrix on column blocks is never also over a gang, and the choice is deterministic
+    chosen = choose(sharded)
+    assert not chosen.column_blocks & set(chosen.gangs) and chosen == choose(sharded)
+    # HSDP: the replica groups share the work exactly where split_replicas_is_cheaper says so
+    hsdp = options([(512, 512)] * 2, 4, replicas=2)
+    assert choose(hsdp).split_replicas == split_replicas_is_cheaper([o.shared for o in hsdp])
+    assert choose(hsdp, replica_split=False).split_replicas is False

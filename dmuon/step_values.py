@@ -1,0 +1,103 @@
+"""The values of one step: what the engine's strategies ask for and hand back.
+
+The step plan (:mod:`dmuon.step_plan`) holds no tensor values; a step makes one
+:class:`StepValues` from the plan and the parameters' gradients and momentum buffers. It answers
+a strategy's request for Newton–Schulz inputs (computed then, from the momentum, a param group
+at a time) and applies the updates the strategy hands back (``W ← W·(1 − lr·wd) − lr·r·O``),
+both as ``torch._foreach_*`` calls over the parameters of a group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dmuon.elementwise import CompiledKernels, apply_updates_all, nesterov_inputs_all, scalar
+from dmuon.step_plan import StepPlan, Target
+from dmuon.tensors import local
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Some of a request's works that one foreach call serves: same param group, same lr factor."""
+
+    positions: tuple[int, ...]  # in the request
+    targets: tuple[Target, ...]
+    params: tuple[Tensor, ...]
+    transposed: tuple[bool, ...]
+    numel: int  # of this rank's pieces
+
+    @classmethod
+    def of(cls, positions: list[int], targets: list[Target]) -> _Chunk:
+        return cls(tuple(positions), tuple(targets), tuple(t.param for t in targets),
+                   tuple(t.transpose for t in targets), sum(local(t.param).numel() for t in targets))
+
+
+class StepValues:
+    """The values of one step for the engine's strategies (:class:`dmuon.strategies.base.StepIO`): the
+    Newton–Schulz inputs from the momentum (computed when asked, a group's at a time), and the
+    updates applied to the parameters, with the update statistics accumulated on the device."""
+
+    def __init__(self, plan: StepPlan, pieces: dict[int, tuple[Tensor, Tensor]], kernels: CompiledKernels | None,
+                 squares: dict[str, list], independent: Callable[[], None] | None = None) -> None:
+        self.plan, self.pieces, self.kernels, self.squares = plan, pieces, kernels, squares  # pieces: (grad, buffer)
+        self.independent = independent  # what overlap() runs once
+
+    def overlap(self) -> None:
+        independent, self.independent = self.independent, None
+        if independent is not None:
+            independent()
+
+    def _by_group(self, indices: Sequence[int]) -> list[_Chunk]:
+        """``indices`` by (param group, lr factor): one foreach call each. The same requests
+        come every step, so the answer is kept with the plan."""
+        key = tuple(indices)
+        chunks = self.plan.chunks.get(key)
+        if chunks is None:
+            by_key: dict[tuple, list[int]] = {}
+            for k, i in enumerate(indices):
+                target = self.plan.targets[i]
+                by_key.setdefault((id(target.group), target.scale), []).append(k)
+            chunks = self.plan.chunks[key] = [_Chunk.of(ks, [self.plan.targets[indices[k]] for k in ks])
+                                              for ks in by_key.values()]
+        return chunks
+
+    def inputs(self, indices: Sequence[int]) -> list[Tensor]:
+        out: list[Tensor | None] = [None] * len(indices)
+        for chunk in self._by_group(indices):
+            group = chunk.targets[0].group
+            grads, bufs = zip(*[self.pieces[id(p)] for p in chunk.params])
+            if not group["nesterov"]:
+                values = bufs
+            elif self.kernels is not None:
+                mu = scalar(group["momentum"], bufs[0].device)
+                values = [self.kernels.nesterov_input(g, b, mu) for g, b in zip(grads, bufs)]
+            else:
+                values = nesterov_inputs_all(list(grads), list(bufs), group["momentum"])
+            for k, transposed, value in zip(chunk.positions, chunk.transposed, values):
+                out[k] = value.mT if transposed else value
+        return out  # type: ignore[return-value]
+
+    def apply(self, indices: Sequence[int], updates: Sequence[Tensor], norms: Tensor | None = None) -> None:
+        for chunk in self._by_group(indices):
+            first = chunk.targets[0]
+            group, ratio = first.group, first.scale
+            params = [local(p) for p in chunk.params]
+            mine = [updates[k].mT if transposed else updates[k] for k, transposed in zip(chunk.positions, chunk.transposed)]
+            if norms is not None:
+                own = norms[list(chunk.positions)]
+            else:  # in fp32 at least, as the statistics always are (a norm cannot narrow fp64)
+                wide = any(u.dtype == torch.float64 for u in mine)
+                own = torch.stack(torch._foreach_norm(mine, 2, dtype=None if wide else torch.float32))
+            squares = self.squares.setdefault(first.label, [torch.zeros((), device=params[0].device), 0])
+            squares[0] += own.float().square().sum() * ratio**2  # a device tensor: no sync
+            squares[1] += chunk.numel
+            if self.kernels is not None:
+                lr, wd = scalar(group["lr"], params[0].device), scalar(group["weight_decay"], params[0].device)
+                for p, u in zip(params, mine):
+                    self.kernels.apply_update(p, u, lr, wd, ratio)
+            else:
+                apply_updates_all(params, mine, float(group["lr"]), group["weight_decay"], ratio)
