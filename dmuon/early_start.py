@@ -80,11 +80,11 @@ def unsupported_because(plan: StepPlan, compiled: bool) -> str | None:
         return "compile or cuda_graphs: the compiled step runs as a whole"
     if len(plan.strategies) != 1 or not isinstance(plan.strategies[0], PlannedExchange):
         return "the plan has gangs, gathered layouts or distributed Newton-Schulz, which do not run in stages"
-    for target, work in zip(plan.targets, plan.works):
-        p = target.param
+    for work in plan.works:
+        p = work.param
         if owned_by(p) is not None:
             return f"{work.name!r} is owner-sharded: its gradient is final only after the owner's reduce"
-        if work.group is None:
+        if work.process_group is None:
             continue
         if not isinstance(p, DTensor):
             return (f"{work.name!r} is replicated (DDP): its gradient is final only after DDP's all-reduce, "
@@ -109,8 +109,8 @@ class EarlyValues(StepValues):
     def inputs(self, indices: Sequence[int]) -> list[Tensor]:
         by_group: dict[int, tuple[dict[str, Any], list[Tensor]]] = {}
         for i in indices:
-            target = self.plan.targets[i]
-            by_group.setdefault(id(target.group), (target.group, []))[1].append(target.param)
+            work = self.plan.works[i]
+            by_group.setdefault(id(work.param_group), (work.param_group, []))[1].append(work.param)
         for group, params in by_group.values():
             bufs = [local(self.state[p]["momentum_buffer"]) for p in params]
             # a gradient that is missing here (the run is being finished at step()): zeros stand
@@ -118,13 +118,13 @@ class EarlyValues(StepValues):
             grads = [local(p.grad) if p.grad is not None else torch.zeros_like(b) for p, b in zip(params, bufs)]
             moved = torch._foreach_lerp(bufs, grads, 1 - group["momentum"])  # the step's lerp_, out of place
             for p, g, b, m in zip(params, grads, bufs, moved):
-                self.pieces[id(p)] = (g, m)
+                self.grads_and_buffers[id(p)] = (g, m)
                 self.read[id(p)] = read_mark(p, b, group)
         try:
             return super().inputs(indices)
         finally:
             for i in indices:
-                self.pieces.pop(id(self.plan.targets[i].param), None)
+                self.grads_and_buffers.pop(id(self.plan.works[i].param), None)
 
     def apply(self, indices: Sequence[int], updates: Sequence[Tensor], norms: Tensor | None = None) -> None:
         self.held.append((indices, list(updates), norms))
@@ -152,7 +152,7 @@ class _Run:
         self.context, self.start_step, self.stream = context, start_step, stream
         self.stages: Iterator[int] = strategy.stages(self.values, context)
         # the parameters each bucket waits for
-        self.waiting = [{id(plan.targets[i].param) for i in strategy.buckets[k].indices}
+        self.waiting = [{id(plan.works[i].param) for i in strategy.buckets[k].indices}
                         for k in range(len(strategy.buckets))]
         self.seen: set[int] = set()
         self.started = False
@@ -200,14 +200,14 @@ class _Run:
         if self.repeated:
             return CHANGED
         code = USED
-        for target in self.plan.targets:
-            p = target.param
+        for work in self.plan.works:
+            p = work.param
             buf = state.get(p, {}).get("momentum_buffer")
             read = self.values.read.get(id(p))
             if buf is None or p.grad is None or read is None:
                 code = max(code, NOT_USED)
                 continue
-            gradient, state_now = read_mark(p, local(buf), target.group)
+            gradient, state_now = read_mark(p, local(buf), work.param_group)
             if read[0] != gradient:
                 return CHANGED
             if read[1] != state_now:
@@ -236,7 +236,7 @@ class EarlyStart:
         if self.setting is False or plan is None:
             return
         why = unsupported_because(plan, compiled)
-        params = [t.param for t in plan.targets]
+        params = [w.param for w in plan.works]
         if why is None and not wanted(self.setting, params[0].device.type):
             why = ("on CPU it does not pay: the hooks run on the backward pass's own thread, which leaves no idle "
                    "time to fill (measured no faster beyond the noise; early_start=True forces it)")

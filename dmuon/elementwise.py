@@ -19,6 +19,7 @@ from torch.optim.adamw import adamw
 
 from dmuon.hyperparameters import adamw_hyperparameters
 from dmuon.orthogonalization import NSConfig, orthogonalize
+from dmuon.param_groups import MuonParam
 from dmuon.tensors import local
 
 def update_momentum(buf: Tensor, grad: Tensor, momentum: Tensor) -> None:
@@ -109,16 +110,15 @@ def _addable(update: Tensor, dtype: torch.dtype) -> Tensor:
     return update.contiguous()
 
 
-def update_momentum_of(entries: Sequence[tuple], state: dict, kernels: CompiledKernels | None
+def update_momentum_of(entries: Sequence[MuonParam], state: dict, kernels: CompiledKernels | None
                        ) -> dict[int, tuple[Tensor, Tensor]]:
-    """``B ← μ·B + (1−μ)·G`` for the Muon parameters of ``entries`` ((name, param, group, view)),
-    whose buffers the optimizer has created; one call per group. Returns this rank's pieces of
-    each parameter's gradient and buffer, by ``id`` of the parameter (the step's Newton–Schulz
-    inputs are made of them)."""
+    """``B ← μ·B + (1−μ)·G`` for the Muon parameters of ``entries``, whose buffers the optimizer
+    has created; one call per group. Returns this rank's pieces of each parameter's gradient and
+    buffer, by ``id`` of the parameter (the step's Newton–Schulz inputs are made of them)."""
     pieces: dict[int, tuple[Tensor, Tensor]] = {}
     by_group: dict[int, list] = {}
-    for _, p, group, _ in entries:
-        by_group.setdefault(id(group), [group]).append(p)
+    for m in entries:
+        by_group.setdefault(id(m.param_group), [m.param_group]).append(m.param)
     for group, *params in by_group.values():
         bufs = [local(state[p]["momentum_buffer"]) for p in params]
         grads = [local(p.grad) for p in params]

@@ -139,7 +139,7 @@ class Muon(torch.optim.Optimizer):
             from dmuon.timing import choose_symmetric_products  # imported only when measuring
 
             self._symmetric_by_shape.update(choose_symmetric_products(
-                param_groups.muon_entries(self.param_groups), self._collective_device(), self._agreement_group()))
+                param_groups.muon_params(self.param_groups), self._collective_device(), self._agreement_group()))
 
     def _build(self, params: nn.Module | Iterable[Any], defaults: dict[str, Any], options: EngineOptions) -> None:
         """Everything the constructor does before the ranks compare notes (purely local)."""
@@ -153,7 +153,7 @@ class Muon(torch.optim.Optimizer):
             params = list(params.named_parameters())
         self.skipped_steps = 0
         self._number: int | None = None  # agreed after this
-        self._update_squares: dict[str, list] = {}  # group label -> [sum of squares, elements], last step
+        self._update_squares: dict[int, list] = {}  # id(param group) -> [sum of squares, elements], last step
         self._statistics_sources: list[Callable[[], dict[str, float]]] = []  # more figures (QK-clip's)
         self._options = options
         self._early = EarlyStart(options.early_start)
@@ -169,7 +169,7 @@ class Muon(torch.optim.Optimizer):
         self.plans  # detects every layout now: an unsupported one raises before any collective
         here = self._stepped_here()
         if options.early_start and here:  # early_start=True where the layouts cannot run it: raised now, on every rank
-            self._early.check(self._planner.build(None, here, self._group_label, self._collective_device()),
+            self._early.check(self._planner.build(None, here, self._collective_device()),
                               self._compiled)
 
     def _make_engine(self) -> None:
@@ -227,8 +227,8 @@ class Muon(torch.optim.Optimizer):
 
     def _default_dtype_reasons(self) -> list[str]:
         """One line per device type of the Muon parameters whose group has ``ns_dtype=None``."""
-        types = sorted({p.device.type for _, p, group, _ in param_groups.muon_entries(self.param_groups)
-                        if group["ns_dtype"] is None})
+        types = sorted({m.param.device.type for m in param_groups.muon_params(self.param_groups)
+                        if m.param_group["ns_dtype"] is None})
         return [default_dtype_reason(t) for t in types]
 
     def __repr__(self) -> str:
@@ -259,9 +259,9 @@ class Muon(torch.optim.Optimizer):
         """The plan of each exchange group (usually one): owners, buckets, bytes; see Plan.table()."""
         return self._planner.exchange_plans(self._planner.works(self._stepped_here()))
 
-    def _stepped_here(self) -> list:
-        """The Muon entries this rank steps (all, unless owner-sharded to other ranks)."""
-        return [e for e in param_groups.muon_entries(self.param_groups) if steps_here(e[1])]
+    def _stepped_here(self) -> list[param_groups.MuonParam]:
+        """The Muon parameters this rank steps (all, unless owner-sharded to other ranks)."""
+        return [m for m in param_groups.muon_params(self.param_groups) if steps_here(m.param)]
 
     @property
     def plan(self) -> Plan:
@@ -385,13 +385,13 @@ class Muon(torch.optim.Optimizer):
         for sharding in owner_shardings(params)[1]:
             sharding.weights_changed()
         stepped = {id(p) for i, (p, mine) in enumerate(zip(params, here)) if mine and i not in left_alone}
-        muon = param_groups.muon_entries(self.param_groups)
-        for _, p, _, _ in muon:
-            if owned_by(p) is not None and not owned_by(p).is_mine:
-                # An empty entry on the ranks that do not own p: every rank's optimizer state
+        muon = param_groups.muon_params(self.param_groups)
+        for m in muon:
+            if owned_by(m.param) is not None and not owned_by(m.param).is_mine:
+                # An empty entry on the ranks that do not own it: every rank's optimizer state
                 # then names every parameter, as torch.distributed.checkpoint requires to load.
-                self.state[p]
-        entries = [e for e in muon if id(e[1]) in stepped]
+                self.state[m.param]
+        entries = [m for m in muon if id(m.param) in stepped]
         self._init_state(entries, stepped)
         adamw = partial(adamw_steps, self.param_groups, self.state, stepped)
         if not entries:
@@ -399,7 +399,7 @@ class Muon(torch.optim.Optimizer):
             self._arm_early_start()
             return loss
         # the plan kept, unless what it depends on changed; AdamW runs while the exchange waits
-        plan = self._plan = self._planner.step_plan(self._plan, entries, self._group_label, self._collective_device())
+        plan = self._plan = self._planner.step_plan(self._plan, entries, self._collective_device())
         if self._early.setting:  # early_start=True where this plan cannot run it: raised before anything moves
             self._early.check(plan, self._compiled)
         pieces = update_momentum_of(entries, self.state, self._kernels)
@@ -415,13 +415,13 @@ class Muon(torch.optim.Optimizer):
         self._arm_early_start()
         return loss
 
-    def _init_state(self, muon: Sequence[tuple], stepped: set[int]) -> None:
+    def _init_state(self, muon: Sequence[param_groups.MuonParam], stepped: set[int]) -> None:
         """The state of each parameter this step updates, created at its first step (as torch's
         ``_init_group`` does): Muon's momentum buffer, AdamW's step count and two moments, each
         shaped and placed like the parameter (a DTensor's: its placement)."""
-        for _, p, _, _ in muon:
-            if "momentum_buffer" not in self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for m in muon:
+            if "momentum_buffer" not in self.state[m.param]:
+                self.state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
         for group in self.param_groups:
             for p, algorithm in zip(group["params"], group["algorithms"]):
                 if algorithm == "adamw" and id(p) in stepped and not self.state[p]:

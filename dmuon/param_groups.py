@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -211,9 +211,20 @@ def names_of(group: dict[str, Any], g: int) -> list[str]:
     return group.get("param_names") or [f"group{g}.param{i}" for i in range(len(group["params"]))]
 
 
-def muon_entries(groups: Sequence[dict[str, Any]]) -> list[tuple[str, Tensor, dict[str, Any], str]]:
-    """(name, param, group, matrix view) of every Muon parameter, in group order."""
-    return [(name, p, group, view) for g, group in enumerate(groups)
+@dataclass(frozen=True, eq=False)
+class MuonParam:
+    """One Muon parameter as the optimizer lists it: its name, the tensor, its param group, and
+    how Muon sees it as matrices (its matrix view, :mod:`dmuon.routing`)."""
+
+    name: str
+    param: Tensor
+    param_group: dict[str, Any]
+    view: str
+
+
+def muon_params(groups: Sequence[dict[str, Any]]) -> list[MuonParam]:
+    """Every Muon parameter, in group order."""
+    return [MuonParam(name, p, group, view) for g, group in enumerate(groups)
             for name, p, alg, view in zip(names_of(group, g), group["params"], group["algorithms"], group["matrix_views"])
             if alg == "muon"]
 

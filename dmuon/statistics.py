@@ -13,13 +13,15 @@ from dmuon.exchange import all_reduce_max, all_reduce_sum
 from dmuon.strategies.base import StepStats
 
 
-def step_statistics(stats: StepStats, squares: dict[str, list], groups: Sequence[dict[str, Any]],
+def step_statistics(stats: StepStats, squares: dict[int, list], groups: Sequence[dict[str, Any]],
                     label: Callable[[dict[str, Any]], str], skipped_steps: int, group: dist.ProcessGroup | None,
                     device: torch.device) -> dict[str, float]:
     """Flat float figures of the last step (see ``Muon.statistics``); with a process ``group``
-    (collective) the job's: sums of the counts and update squares, the slowest rank's seconds."""
-    labels = [label(g) for g in groups if "muon" in g["algorithms"]]
-    mine = [squares.get(name, [torch.zeros(()), 0]) for name in labels]
+    (collective) the job's: sums of the counts and update squares, the slowest rank's seconds.
+    ``squares``: the update's [sum of squares, elements] by ``id`` of the param group."""
+    muon_groups = [g for g in groups if "muon" in g["algorithms"]]
+    labels = [label(g) for g in muon_groups]
+    mine = [squares.get(id(g), [torch.zeros(()), 0]) for g in muon_groups]
     sums = torch.tensor([float(sq) for sq, _ in mine] + [n for _, n in mine], dtype=torch.float64)
     counts = torch.tensor([stats.matrices_orthogonalized, stats.ns_flops, stats.bytes_sent, stats.collectives],
                           dtype=torch.float64)

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +30,7 @@ from dmuon.engine import Engine
 from dmuon.exchange import GroupRef, gather_whole
 from dmuon.hyperparameters import EngineOptions, adjusted_lr_ratio, ns_config
 from dmuon.layout import detect_layout, owned_by, piece_of
+from dmuon.param_groups import MuonParam
 from dmuon.orthogonalization import orthogonalize
 from dmuon.planner import (DEFAULT_FLOPS_PER_BYTE, MatrixOptions, Plan, Unit, choose, column_block_cost, column_blocks_fit,
                            exchange_groups, make_plan)
@@ -41,9 +41,6 @@ from dmuon.strategies.gangs import Gangs
 from dmuon.strategies.gathered import GatheredFallback
 from dmuon.strategies.planned import PlannedExchange
 from dmuon.tensors import local
-
-# (name, parameter, its param group, its matrix view): a Muon parameter as the optimizer lists it
-MuonEntry = tuple[str, Tensor, dict[str, Any], str]
 
 # the param-group keys a plan depends on (the rest — lr, weight decay, momentum — is read each step)
 PLANNED_KEYS = ("ns_coefficients", "eps", "ns_steps", "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts",
@@ -56,36 +53,23 @@ def steps_here(param: Tensor) -> bool:
     return owned is None or owned.is_mine
 
 
-def plan_key(entries: Sequence[MuonEntry]) -> tuple:
+def plan_key(entries: Sequence[MuonParam]) -> tuple:
     """What a step plan depends on: the stepped parameters (objects, shapes, views) and their
     groups' Newton–Schulz options."""
-    groups = {id(group): group for _, _, group, _ in entries}
+    groups = {id(e.param_group): e.param_group for e in entries}
     return (
-        tuple((id(p), tuple(p.shape), view) for _, p, _, view in entries),
+        tuple((id(e.param), tuple(e.param.shape), e.view) for e in entries),
         tuple((gid, tuple(repr(group[k]) for k in PLANNED_KEYS)) for gid, group in groups.items()),
     )
 
 
 @dataclass(frozen=True)
-class Target:
-    """Where one work's values live: its parameter, group (for lr, weight decay, momentum),
-    whether the exchange sees the transpose, and its lr factor."""
-
-    param: Tensor
-    group: dict[str, Any]
-    transpose: bool
-    scale: float
-    label: str
-
-
-@dataclass(frozen=True)
 class StepPlan:
-    """What a step does, decided once: the works, where their values live, and the strategies
-    that orthogonalize them, in the order every rank runs them."""
+    """What a step does, decided once: one work per Muon parameter, and the strategies that
+    orthogonalize them, in the order every rank runs them."""
 
     key: tuple
     works: tuple[MatrixWork, ...]
-    targets: tuple[Target, ...]
     strategies: tuple[Strategy, ...]
     chunks: dict[tuple[int, ...], list] = field(default_factory=dict)  # StepValues' groupings
 
@@ -129,27 +113,18 @@ class StepPlanner:
             return self.symmetric_products
         return self.measured.get(tuple(shape), "torch")
 
-    def step_plan(self, kept: StepPlan | None, entries: Sequence[MuonEntry], labels: Callable[[dict], str],
-                  device: torch.device) -> StepPlan:
+    def step_plan(self, kept: StepPlan | None, entries: Sequence[MuonParam], device: torch.device) -> StepPlan:
         """The plan for stepping ``entries``: ``kept``, unless what it depends on (:func:`plan_key`) changed."""
         key = plan_key(entries)
-        return kept if kept is not None and kept.key == key else self.build(key, entries, labels, device)
+        return kept if kept is not None and kept.key == key else self.build(key, entries, device)
 
-    def build(self, key: tuple, entries: Sequence[MuonEntry], labels: Callable[[dict], str],
-              device: torch.device) -> StepPlan:
+    def build(self, key: tuple, entries: Sequence[MuonParam], device: torch.device) -> StepPlan:
         works = self.works(entries)
-        targets = tuple(self._target(e, w, labels) for e, w in zip(entries, works))
-        return StepPlan(key, tuple(works), targets, self.strategies(works, device))
-
-    def _target(self, entry: MuonEntry, work: MatrixWork, labels: Callable[[dict], str]) -> Target:
-        _, p, group, view = entry
-        _, rows, cols = matrix_shape(p.shape, view)
-        scale = 1.0 if work.blocks else adjusted_lr_ratio(group["adjust_lr_fn"], rows, cols)
-        return Target(p, group, work.layout.transposed != work.column_blocks, scale, labels(group))
+        return StepPlan(key, tuple(works), self.strategies(works, device))
 
     # ------------------------------------------------------------------ the cost model's choices
 
-    def works(self, entries: Sequence[MuonEntry]) -> list[MatrixWork]:
+    def works(self, entries: Sequence[MuonParam]) -> list[MatrixWork]:
         """Each matrix to one owner, split across its group, or over a gang, as
         :func:`dmuon.planner.choose` decides. Where early start runs (buckets follow the backward
         pass) every matrix stays whole: early start runs the planned exchange only, and hides
@@ -170,10 +145,10 @@ class StepPlanner:
                 else replace(w, gang=choices.gangs[i]) if i in choices.gangs else w
                 for i, (e, w) in enumerate(zip(entries, works))]
 
-    def _column_block_cost(self, entry: MuonEntry, work: MatrixWork) -> float | None:
+    def _column_block_cost(self, entry: MuonParam, work: MatrixWork) -> float | None:
         """What every rank of the group pays when ``entry`` (laid out as ``work``, replicas not
         split) runs distributed NS on its column blocks; None where it cannot."""
-        if self.distributed_ns is False or not (column_blocks_possible(entry[1], work.group, work.blocks)
+        if self.distributed_ns is False or not (column_blocks_possible(entry.param, work.process_group, work.blocks)
                                                 and column_blocks_fit(work.layout)):
             return None
         blocks = self._work(entry, split_replicas=False, column_blocks=True)
@@ -183,7 +158,7 @@ class StepPlanner:
     @staticmethod
     def _splittable(work: MatrixWork) -> bool:
         """One unfused 2-D matrix with a process group: a gang could split it."""
-        return work.group is not None and not work.blocks and work.count == 1 and len(work.layout.shape) == 2
+        return work.process_group is not None and not work.blocks and work.count == 1 and len(work.layout.shape) == 2
 
     def _wire(self, work: MatrixWork) -> torch.dtype:
         return wire_dtype(work, self.comm_dtype)
@@ -239,10 +214,10 @@ class StepPlanner:
 
     # ------------------------------------------------------------------ one matrix
 
-    def _work(self, entry: MuonEntry, *, split_replicas: bool, column_blocks: bool = False) -> MatrixWork:
+    def _work(self, entry: MuonParam, *, split_replicas: bool, column_blocks: bool = False) -> MatrixWork:
         """One parameter's work: with ``split_replicas`` HSDP replicas share the exchange; with
         ``column_blocks`` (where the layout allows it) it runs distributed NS on column blocks."""
-        name, p, group, view = entry
+        name, p, group, view = entry.name, entry.param, entry.param_group, entry.view
         stack = p.ndim == 3 and view in ("auto", "batch")
         layout, process_group = detect_layout(p, name, self._process_group(), split_replicas=split_replicas, stack=stack)
         # what NS sees: a local stack's own matrices, or for Shard(1) the transpose
@@ -273,5 +248,6 @@ class StepPlanner:
             whole = partial(gather_whole, mesh=p.device_mesh, placements=p.placements, shape=p.shape, stride=p.stride())
             part = partial(piece_of, mesh=p.device_mesh, placements=p.placements)
         local_shape = tuple(piece.mT.shape if transpose else piece.shape)
-        return MatrixWork(name, local_shape, piece.dtype, layout, GroupRef(process_group), count, m, n, config, blocks,
-                          whole, part, column_blocks)
+        lr_scale = 1.0 if blocks else adjusted_lr_ratio(group["adjust_lr_fn"], rows_of_p, cols_of_p)
+        return MatrixWork(name, p, group, lr_scale, local_shape, piece.dtype, layout, GroupRef(process_group), count,
+                          m, n, config, blocks, whole, part, column_blocks)

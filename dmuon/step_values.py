@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from dmuon.elementwise import CompiledKernels, apply_updates_all, nesterov_inputs_all, scalar
-from dmuon.step_plan import StepPlan, Target
+from dmuon.step_plan import StepPlan
+from dmuon.strategies.base import MatrixWork
 from dmuon.tensors import local
 
 
@@ -25,15 +27,16 @@ class _Chunk:
     """Some of a request's works that one foreach call serves: same param group, same lr factor."""
 
     positions: tuple[int, ...]  # in the request
-    targets: tuple[Target, ...]
+    param_group: dict[str, Any]
+    lr_scale: float
     params: tuple[Tensor, ...]
     transposed: tuple[bool, ...]
     numel: int  # of this rank's pieces
 
     @classmethod
-    def of(cls, positions: list[int], targets: list[Target]) -> _Chunk:
-        return cls(tuple(positions), tuple(targets), tuple(t.param for t in targets),
-                   tuple(t.transpose for t in targets), sum(local(t.param).numel() for t in targets))
+    def of(cls, positions: list[int], works: list[MatrixWork]) -> _Chunk:
+        return cls(tuple(positions), works[0].param_group, works[0].lr_scale, tuple(w.param for w in works),
+                   tuple(w.exchange_transposed for w in works), sum(local(w.param).numel() for w in works))
 
 
 class StepValues:
@@ -41,9 +44,12 @@ class StepValues:
     Newton–Schulz inputs from the momentum (computed when asked, a group's at a time), and the
     updates applied to the parameters, with the update statistics accumulated on the device."""
 
-    def __init__(self, plan: StepPlan, pieces: dict[int, tuple[Tensor, Tensor]], kernels: CompiledKernels | None,
-                 squares: dict[str, list], independent: Callable[[], None] | None = None) -> None:
-        self.plan, self.pieces, self.kernels, self.squares = plan, pieces, kernels, squares  # pieces: (grad, buffer)
+    def __init__(self, plan: StepPlan, grads_and_buffers: dict[int, tuple[Tensor, Tensor]],
+                 kernels: CompiledKernels | None, squares: dict[int, list],
+                 independent: Callable[[], None] | None = None) -> None:
+        self.plan, self.kernels = plan, kernels
+        self.grads_and_buffers = grads_and_buffers  # id(param) -> this rank's pieces of them
+        self.squares = squares  # id(param group) -> [sum of the update's squares, elements]
         self.independent = independent  # what overlap() runs once
 
     def overlap(self) -> None:
@@ -59,17 +65,17 @@ class StepValues:
         if chunks is None:
             by_key: dict[tuple, list[int]] = {}
             for k, i in enumerate(indices):
-                target = self.plan.targets[i]
-                by_key.setdefault((id(target.group), target.scale), []).append(k)
-            chunks = self.plan.chunks[key] = [_Chunk.of(ks, [self.plan.targets[indices[k]] for k in ks])
+                work = self.plan.works[i]
+                by_key.setdefault((id(work.param_group), work.lr_scale), []).append(k)
+            chunks = self.plan.chunks[key] = [_Chunk.of(ks, [self.plan.works[indices[k]] for k in ks])
                                               for ks in by_key.values()]
         return chunks
 
     def inputs(self, indices: Sequence[int]) -> list[Tensor]:
         out: list[Tensor | None] = [None] * len(indices)
         for chunk in self._by_group(indices):
-            group = chunk.targets[0].group
-            grads, bufs = zip(*[self.pieces[id(p)] for p in chunk.params])
+            group = chunk.param_group
+            grads, bufs = zip(*[self.grads_and_buffers[id(p)] for p in chunk.params])
             if not group["nesterov"]:
                 values = bufs
             elif self.kernels is not None:
@@ -83,8 +89,7 @@ class StepValues:
 
     def apply(self, indices: Sequence[int], updates: Sequence[Tensor], norms: Tensor | None = None) -> None:
         for chunk in self._by_group(indices):
-            first = chunk.targets[0]
-            group, ratio = first.group, first.scale
+            group, ratio = chunk.param_group, chunk.lr_scale
             params = [local(p) for p in chunk.params]
             mine = [updates[k].mT if transposed else updates[k] for k, transposed in zip(chunk.positions, chunk.transposed)]
             if norms is not None:
@@ -92,7 +97,7 @@ class StepValues:
             else:  # in fp32 at least, as the statistics always are (a norm cannot narrow fp64)
                 wide = any(u.dtype == torch.float64 for u in mine)
                 own = torch.stack(torch._foreach_norm(mine, 2, dtype=None if wide else torch.float32))
-            squares = self.squares.setdefault(first.label, [torch.zeros((), device=params[0].device), 0])
+            squares = self.squares.setdefault(id(group), [torch.zeros((), device=params[0].device), 0])
             squares[0] += own.float().square().sum() * ratio**2  # a device tensor: no sync
             squares[1] += chunk.numel
             if self.kernels is not None:

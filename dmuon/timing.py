@@ -20,6 +20,7 @@ import torch.distributed as dist
 from dmuon.exchange import all_gather_object
 from dmuon.hyperparameters import ns_config
 from dmuon.orthogonalization import SYMMETRIC_PRODUCTS, NSConfig, orthogonalize
+from dmuon.param_groups import MuonParam
 from dmuon.routing import matrix_shape
 from dmuon.triton_kernels import triton_usable
 
@@ -49,16 +50,16 @@ def symmetric_products_seconds(config: NSConfig, shape: tuple[int, ...], device:
     return {symmetric: best_seconds(partial(orthogonalize, G, c), device, repeats) for symmetric, c in configs.items()}
 
 
-def choose_symmetric_products(entries: Sequence[tuple], device: torch.device,
+def choose_symmetric_products(entries: Sequence[MuonParam], device: torch.device,
                               group: dist.ProcessGroup | None) -> dict[tuple[int, int], str]:
     """``symmetric_products="auto"``: time Newton–Schulz of each matrix shape with torch's
     products and with the Triton kernel (where Triton runs), and keep the faster. Under
     torch.distributed the ranks add up their timings (gathered as bytes), so that every rank
     makes the same choice: distributed NS needs the same recurrence everywhere."""
     shapes: dict[tuple[int, int], NSConfig] = {}
-    for _, p, group_, view in entries:  # the optimizer's Muon parameters: (name, param, group, view)
-        shape = matrix_shape(p.shape, view)[1:]
-        shapes.setdefault(shape, ns_config(group_, shape, device.type))
+    for m in entries:
+        shape = matrix_shape(m.param.shape, m.view)[1:]
+        shapes.setdefault(shape, ns_config(m.param_group, shape, device.type))
     seconds = {shape: symmetric_products_seconds(config, (1, *shape), device) for shape, config in shapes.items()} \
         if triton_usable(device) else {}
     if group is not None:

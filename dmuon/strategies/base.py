@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,21 +35,26 @@ class Block:
     scale: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MatrixWork:
-    """How one Muon parameter is orthogonalized (the same every step).
+    """One Muon parameter in the step plan: how it is orthogonalized, and where its values live
+    (the same every step; the values themselves go through :class:`StepIO`).
 
     The whole Newton–Schulz input is ``count`` m×n matrices, laid out as ``layout.shape``; this
-    rank's piece of it (and of the update) has ``local_shape``, in the exchange's orientation.
-    ``blocks``: for fused weights, the row blocks orthogonalized separately, each result scaled
-    by its block's factor (empty: the whole matrix, with ``config``, unscaled).
+    rank's piece of it (and of the update) has ``local_shape``, in the exchange's orientation
+    (:attr:`exchange_transposed`: the parameter's transpose). ``blocks``: for fused weights, the
+    row blocks orthogonalized separately, each result scaled by its block's factor (empty: the
+    whole matrix, with ``config``, unscaled, and ``lr_scale`` applies).
     """
 
     name: str
+    param: Tensor
+    param_group: dict[str, Any]  # lr, weight decay and momentum are read from it each step
+    lr_scale: float  # r(m, n) of adjust_lr_fn (1 for fused weights: their blocks carry theirs)
     local_shape: tuple[int, ...]
     dtype: torch.dtype
     layout: Layout
-    group_ref: GroupRef  # the exchange group (held weakly)
+    process_group_ref: GroupRef  # the exchange's process group (held weakly)
     count: int
     m: int
     n: int
@@ -66,13 +71,19 @@ class MatrixWork:
     gang: tuple[int, ...] = ()
 
     @property
-    def group(self) -> dist.ProcessGroup | None:
+    def process_group(self) -> dist.ProcessGroup | None:
         """The process group of the exchange, None in one process."""
-        return self.group_ref()
+        return self.process_group_ref()
+
+    @property
+    def exchange_transposed(self) -> bool:
+        """Whether the exchange sees the parameter's transpose: Shard(1) rows, or the column
+        blocks of a Shard(0) matrix."""
+        return self.layout.transposed != self.column_blocks
 
     @cached_property  # a frozen dataclass's cache: written to the instance's __dict__ directly
-    def pieces(self) -> list[tuple[int, NSConfig]]:
-        """(rows, config) of what Newton–Schulz runs on: the blocks, or the whole matrix."""
+    def row_blocks(self) -> list[tuple[int, NSConfig]]:
+        """(rows, config) of each Newton–Schulz call's matrix: the fused blocks, or the whole."""
         return [(b.rows, b.config) for b in self.blocks] or [(self.m, self.config)]
 
 
@@ -84,7 +95,7 @@ def wire_dtype(work: MatrixWork, comm_dtype: torch.dtype | None) -> torch.dtype:
 def unit_of(work: MatrixWork, itemsize: int) -> Unit:
     """The planner's view of a work: its shape, layout, bytes per element on the wire, FLOPs."""
     per_matrix = sum(newton_schulz_flops(rows, work.n, steps=c.steps, method=c.method, restarts=c.restarts)
-                     for rows, c in work.pieces)
+                     for rows, c in work.row_blocks)
     return Unit(work.name, work.layout, work.count, work.m, work.n, itemsize, work.count * per_matrix)
 
 
@@ -201,21 +212,21 @@ class Context:
         total, for the statistics."""
         self.stats.ns_flops += flops
         for u, value in inputs.items():
-            if not isinstance(value, Tensor) and len(works[u].pieces) > 1:  # row blocks slice the whole
+            if not isinstance(value, Tensor) and len(works[u].row_blocks) > 1:  # row blocks slice the whole
                 inputs[u] = torch.cat([v.reshape(-1) for v in value]).reshape(works[u].count, works[u].m, works[u].n)
-        pieces: dict[tuple[int, int], Tensor] = {}
+        results: dict[tuple[int, int], Tensor] = {}  # (work, block) -> its update
         for config, rows, members in batches:
             # one contiguous copy, as every call before it: the same memory layout, the same result
             stacked = self._stack(inputs, works, rows, members)
             with Timed(self.stats, stacked, config):
-                results = self.orthogonalize(stacked, config).split([works[u].count for u, _, _, _ in members])
-            pieces.update(((u, b), r) for (u, b, _, _), r in zip(members, results))
+                updates = self.orthogonalize(stacked, config).split([works[u].count for u, _, _, _ in members])
+            results.update(((u, b), r) for (u, b, _, _), r in zip(members, updates))
             self.stats.matrices_orthogonalized += stacked.shape[0]
         outputs: dict[int, Tensor] = {}
         for u in inputs:
             blocks = works[u].blocks
-            outputs[u] = pieces[u, 0] if not blocks else \
-                torch.cat([pieces[u, b] * block.scale for b, block in enumerate(blocks)], dim=1)
+            outputs[u] = results[u, 0] if not blocks else \
+                torch.cat([results[u, b] * block.scale for b, block in enumerate(blocks)], dim=1)
         return outputs
 
     @staticmethod
@@ -256,7 +267,7 @@ def batches_of(indices: Sequence[int], works: Sequence[MatrixWork]) -> list[Batc
     batches: dict[tuple, list[tuple[int, int, int, bool]]] = {}
     for u in indices:
         start = 0
-        for b, (rows, config) in enumerate(works[u].pieces):
-            batches.setdefault((rows, works[u].n, config), []).append((u, b, start, len(works[u].pieces) == 1))
+        for b, (rows, config) in enumerate(works[u].row_blocks):
+            batches.setdefault((rows, works[u].n, config), []).append((u, b, start, len(works[u].row_blocks) == 1))
             start += rows
     return [(config, rows, tuple(members)) for (rows, _, config), members in batches.items()]

@@ -18,7 +18,7 @@ class ColumnBlocks:
 
     def run(self, io: StepIO, ctx: Context) -> None:
         for index, work in zip(self.indices, self.works):
-            reduce = partial(all_reduce_sum, group=work.group, counter=ctx.counter)
+            reduce = partial(all_reduce_sum, group=work.process_group, counter=ctx.counter)
             # the local width from the shape, not -1: an empty matrix has 0 elements either way
             block = io.inputs([index])[0].reshape(work.count, work.m, work.local_shape[-1])
             with Timed(ctx.stats, block, work.config, column_blocks=True):

@@ -103,7 +103,7 @@ class Gangs:
             if self.me in work.gang:
                 ranks = tuple(work.layout.group_ranks[p] for p in work.gang)
                 if ranks not in made:
-                    made[ranks] = work.group_ref if len(ranks) == work.layout.size else GroupRef(new_subgroup(ranks))
+                    made[ranks] = work.process_group_ref if len(ranks) == work.layout.size else GroupRef(new_subgroup(ranks))
                 self._groups[i] = made[ranks]  # torch.distributed's registry holds the group
 
     def run(self, io: StepIO, ctx: Context) -> None:
@@ -129,7 +129,7 @@ class Gangs:
                     sends[member].append(sl.input_piece(local[i], me, j))
         dtype = ctx.wire_dtype(works[0])
         received = [iter(p) for p in
-                    start_all_to_all(sends, shapes, works[0].group, me, dtype, ctx.counter, self.device).wait()]
+                    start_all_to_all(sends, shapes, works[0].process_group, me, dtype, ctx.counter, self.device).wait()]
         blocks = {}
         for i, (work, sl) in enumerate(zip(works, self.slices)):
             if me not in work.gang:
@@ -168,7 +168,7 @@ class Gangs:
                     shapes[member].append(sl.piece_shape(me, j))
         dtype = ctx.wire_dtype(works[0])
         received = [iter(p) for p in
-                    start_all_to_all(sends, shapes, works[0].group, me, dtype, ctx.counter, self.device).wait()]
+                    start_all_to_all(sends, shapes, works[0].process_group, me, dtype, ctx.counter, self.device).wait()]
         mine = []
         for i, (work, sl) in enumerate(zip(works, self.slices)):
             parts = [sl.update_piece(updates[i], me, j) if member == me else next(received[member])

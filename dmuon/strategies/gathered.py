@@ -34,5 +34,5 @@ class GatheredFallback:
                                                  self.units[u].flops)[u].contiguous()
             else:  # contiguous, as the owner's is (a gathered tensor may come with any strides)
                 update = torch.empty(whole.shape, dtype=whole.dtype, device=whole.device)
-            start_broadcast(update, work.layout.group_ranks[owner], work.group, ctx.counter).wait()
+            start_broadcast(update, work.layout.group_ranks[owner], work.process_group, ctx.counter).wait()
             io.apply([index], [work.local_piece(update.reshape(work.layout.shape))])

@@ -70,12 +70,12 @@ class PlannedExchange:
         self.works = list(works)
         self.plan = plan
         self.device = device  # of an empty send buffer (NCCL takes only device tensors), and of index tensors
-        self.me = works[0].layout.group_ranks.index(dist.get_rank()) if self.group is not None else 0
+        self.me = works[0].layout.group_ranks.index(dist.get_rank()) if self.process_group is not None else 0
         self.buckets = [self._bucket(k) for k in range(len(plan.buckets))]
 
     @property
-    def group(self) -> dist.ProcessGroup | None:
-        return self.works[0].group
+    def process_group(self) -> dist.ProcessGroup | None:
+        return self.works[0].process_group
 
     def _bucket(self, k: int) -> _Bucket:
         plan, me = self.plan, self.me
@@ -96,7 +96,7 @@ class PlannedExchange:
         shards = {u: plan.units[u].layout.shards for u in units}
         owned = [u for u in units if plan.owners[u] == me]
         batches = batches_of(owned, self.works)
-        stacks = self._stacks(units, batches) if self.group is None else None
+        stacks = self._stacks(units, batches) if self.process_group is None else None
         laid_out = [j for positions in stacks for j in positions] if stacks else []
         return _Bucket(
             units=tuple(units),
@@ -132,7 +132,7 @@ class PlannedExchange:
         that early start (:mod:`dmuon.early_start`) can resume it once bucket ``k``'s gradients
         are final, while the backward pass goes on. Every rank runs the same stages in the same
         order; only when each one runs may differ."""
-        if self.group is None:
+        if self.process_group is None:
             yield from self._stages_alone(io, ctx)
             return
         returns: list[tuple[int, PendingExchange | None, dict[int, Tensor]]] = []
@@ -192,7 +192,7 @@ class PlannedExchange:
         inputs = io.inputs([self.indices[u] for u, _ in bucket.sends])
         for (_, owner), x in zip(bucket.sends, inputs):
             sends[owner].append(x)
-        return start_all_to_all(sends, [list(s) for s in bucket.gather_shapes], self.group, self.me,
+        return start_all_to_all(sends, [list(s) for s in bucket.gather_shapes], self.process_group, self.me,
                                 self._dtype(k, ctx), ctx.counter, self.device)
 
     def _orthogonalize_owned(self, k: int, pending: PendingExchange | None, io: StepIO,
@@ -221,7 +221,7 @@ class PlannedExchange:
             layout = self.plan.units[u].layout
             for p, shard in targets:
                 sends[p].append(rows_of(owned[u], layout, shard))
-        return start_all_to_all(sends, [list(s) for s in bucket.return_shapes], self.group, self.me,
+        return start_all_to_all(sends, [list(s) for s in bucket.return_shapes], self.process_group, self.me,
                                 self._dtype(k, ctx), ctx.counter, self.device)
 
     def _finish_return(self, k: int, pending: PendingExchange | None, owned: dict[int, Tensor], io: StepIO) -> None:
