@@ -114,7 +114,7 @@ _SHARED_TYPES = {t.__name__: t for t in (ValueError, TypeError, RuntimeError, Ke
 def agree(
     entry: str,
     fingerprint: Fingerprint | Callable[[], Fingerprint] | None,
-    group: dist.ProcessGroup,
+    process_group: dist.ProcessGroup,
     device: torch.device,
     *,
     words: Words | None = None,
@@ -126,7 +126,7 @@ def agree(
     missing: Words = (0, 0, 0),
     early: int = 0,
 ) -> Agreed:
-    """Run the agreement of one collective call over ``group``.
+    """Run the agreement of one collective call over ``process_group``.
 
     ``fingerprint`` describes what the call depends on (ordered (key, value) pairs, or a
     function that lists them, called only when needed); only its digest travels unless ranks
@@ -150,7 +150,7 @@ def agree(
     header = header.to(device, non_blocking=True)
     if nonfinite is not None:
         header[_NONFINITE] = nonfinite.to(torch.float32).reshape(())
-    fields = tuple(all_reduce_max(header, group, counter).tolist())  # the one host read
+    fields = tuple(all_reduce_max(header, process_group, counter).tolist())  # the one host read
     codes = (int(fields[_ENTRY]), -int(fields[_ENTRY + 1]))
     if codes[0] != codes[1]:
         low, high = sorted(ENTRIES[c - 1] for c in codes)
@@ -161,7 +161,7 @@ def agree(
         )
     if fields[_FAILED] > 0:
         sent = f"{type(error).__name__}\n{error}".encode() if error is not None else b""
-        messages = all_gather_bytes(sent, group, device)
+        messages = all_gather_bytes(sent, process_group, device)
         failed = next(r for r, m in enumerate(messages) if m)
         if error is not None:
             raise error
@@ -171,17 +171,17 @@ def agree(
         described = fingerprint() if callable(fingerprint) else fingerprint
         if described is None:
             raise RuntimeError(f"Ranks disagree on the {what} (its digest differs between ranks).")
-        everyone = all_gather_bytes(json.dumps(list(described)).encode(), group, device)
+        everyone = all_gather_bytes(json.dumps(list(described)).encode(), process_group, device)
         raise ValueError(first_difference([json.loads(b.decode()) for b in everyone], what))
     return Agreed(fields)
 
 
-def agreed_call(entry: str, local_part: Callable[[], Fingerprint], group: dist.ProcessGroup | None,
+def agreed_call(entry: str, local_part: Callable[[], Fingerprint], process_group: dist.ProcessGroup | None,
                 device: Callable[[], torch.device], *, number: int = 0,
                 what: str = "optimizer configuration") -> tuple[Fingerprint, Agreed | None]:
     """One collective entry point: this rank's ``local_part`` (its checks and changes, returning
-    the fingerprint of the configuration they give), then the agreement over ``group``; the
-    fingerprint and the agreed header (None without a group), or on every rank the same error
+    the fingerprint of the configuration they give), then the agreement over ``process_group``; the
+    fingerprint and the agreed header (None without one), or on every rank the same error
     if a rank failed or the ranks differ. ``device`` is asked after ``local_part``, which may
     create the parameters it names."""
     error, fingerprint = None, []
@@ -190,8 +190,8 @@ def agreed_call(entry: str, local_part: Callable[[], Fingerprint], group: dist.P
     except Exception as err:  # any failure: the other ranks must not be left waiting in the agreement
         error = err
     agreed = None
-    if group is not None:
-        agreed = agree(entry, fingerprint, group, device(), error=error, number=number, what=what)
+    if process_group is not None:
+        agreed = agree(entry, fingerprint, process_group, device(), error=error, number=number, what=what)
     if error is not None:
         raise error
     return fingerprint, agreed
@@ -202,16 +202,16 @@ def agreed_call(entry: str, local_part: Callable[[], Fingerprint], group: dist.P
 _NUMBERS: dict[str, int] = {}
 
 
-def issued_number(group: dist.ProcessGroup) -> int:
-    return _NUMBERS.get(group.group_name, 0)
+def issued_number(process_group: dist.ProcessGroup) -> int:
+    return _NUMBERS.get(process_group.group_name, 0)
 
 
-def record_number(group: dist.ProcessGroup, number: int) -> None:
-    _NUMBERS[group.group_name] = number
+def record_number(process_group: dist.ProcessGroup, number: int) -> None:
+    _NUMBERS[process_group.group_name] = number
 
 
 def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy: str,
-                  group: dist.ProcessGroup | None, device: Callable[[], torch.device],
+                  process_group: dist.ProcessGroup | None, device: Callable[[], torch.device],
                   fingerprint: Callable[[], Fingerprint], counter: CommCounter, names: Callable[[], list[str]],
                   early: Callable[[], int] = lambda: 0) -> tuple[list[Tensor], list[bool], set[int] | None, int]:
     """The agreement of a step. ``prepare`` is this rank's part before it (its checks of its
@@ -247,8 +247,8 @@ def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy
         suspect = maybe_nonfinite(grads)
     missing_words = digest_words([("missing", json.dumps(missing))])
     agreed = None
-    if group is not None:
-        agreed = agree("step", fingerprint, group, device(), error=error, counter=counter,
+    if process_group is not None:
+        agreed = agree("step", fingerprint, process_group, device(), error=error, counter=counter,
                        nonfinite=suspect.any() if suspect is not None else None, missing=missing_words, early=code)
         code = agreed.early
     if error is not None:
@@ -258,13 +258,13 @@ def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy
     if agreed is not None and agreed.missing_differs:
         code = max(code, 1)
         flags = torch.tensor([float(i in left_alone) for i in range(len(params))], device=device())
-        everywhere = all_reduce_max(flags, group, counter).tolist()
+        everywhere = all_reduce_max(flags, process_group, counter).tolist()
         left_alone = {i for i, f in enumerate(everywhere) if f > 0}
         partial = [names()[i] for i in sorted(left_alone) if i in checked]
         if partial:
             warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=4)
     # the quick look flags huge finite gradients too: the exact check of those decides
-    nonfinite = _confirm_nonfinite(grads, suspect, group, device(), counter) if flagged else None
+    nonfinite = _confirm_nonfinite(grads, suspect, process_group, device(), counter) if flagged else None
     if nonfinite is not None:
         every = names()
         where = [every[checked[k]] for k in nonfinite] or ["another rank's parameters"]
@@ -275,7 +275,7 @@ def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy
     return params, here, left_alone, code
 
 
-def _confirm_nonfinite(grads: Sequence[Tensor], suspect: Tensor | None, group: dist.ProcessGroup | None,
+def _confirm_nonfinite(grads: Sequence[Tensor], suspect: Tensor | None, process_group: dist.ProcessGroup | None,
                        device: torch.device, counter: CommCounter) -> list[int] | None:
     """After some rank's quick look flagged gradients: the positions in ``grads`` of this
     rank's truly non-finite ones, or None when no rank has any (huge finite gradients are then
@@ -285,6 +285,6 @@ def _confirm_nonfinite(grads: Sequence[Tensor], suspect: Tensor | None, group: d
     exact = finite_flags([grads[k] for k in flagged]).tolist() if flagged else []
     mine = [k for k, ok in zip(flagged, exact) if not ok]
     found = bool(mine)
-    if group is not None:
-        found = all_reduce_max(torch.tensor([float(found)], device=device), group, counter).item() > 0
+    if process_group is not None:
+        found = all_reduce_max(torch.tensor([float(found)], device=device), process_group, counter).item() > 0
     return mine if found else None

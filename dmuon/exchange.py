@@ -9,6 +9,9 @@ Small host-side values (configuration fingerprints, timings, error messages) tra
 tensors too (:func:`all_gather_bytes`), never through torch's ``*_object`` collectives: those
 convert through numpy, which is not one of dmuon's dependencies (the torch wheel does not pull
 it in), and they would fail with "Numpy is not available" on a plain install.
+
+The wrappers take a process group as ``group``, torch.distributed's own keyword; everywhere else
+in dmuon a process group is ``process_group`` and ``group`` or ``param_group`` is a param group.
 """
 
 from __future__ import annotations
@@ -232,13 +235,13 @@ def job_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | No
     return process_group or dist.group.WORLD
 
 
-def collective_device(groups: Sequence[dict], group: dist.ProcessGroup | None) -> torch.device:
+def collective_device(param_groups: Sequence[dict], process_group: dist.ProcessGroup | None) -> torch.device:
     """Where an optimizer's small collectives run: its parameters' device (NCCL groups take
     only CUDA tensors), else the backend's (also for parameters on the meta device, as a model
     is before ``to_empty``)."""
-    device = next((p.device for g in groups for p in g["params"] if p.device.type != "meta"), None)
+    device = next((p.device for g in param_groups for p in g["params"] if p.device.type != "meta"), None)
     if device is None:
-        return default_device(group) if group is not None else torch.device("cpu")
+        return default_device(process_group) if process_group is not None else torch.device("cpu")
     return device
 
 

@@ -139,8 +139,8 @@ def _splits_dim0_only(placements: tuple) -> bool:
     return all(getattr(p, "dim", None) == 0 for p in placements)  # Shard(0), _StridedShard(0)
 
 
-def _group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
-    return tuple(dist.get_process_group_ranks(group))
+def _group_ranks(process_group: dist.ProcessGroup) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(process_group))
 
 
 def detect_layout(
@@ -162,17 +162,17 @@ def detect_layout(
     if not isinstance(param, DTensor):
         if not dist.is_available() or not dist.is_initialized():
             return Layout(tuple(param.shape), 1, 1, (0,)), None
-        group = process_group or dist.group.WORLD
-        ranks = _group_ranks(group)
+        exchange_group = process_group or dist.group.WORLD
+        ranks = _group_ranks(exchange_group)
         if len(ranks) == 1:
             return Layout(tuple(param.shape), 1, 1, ranks), None
-        return Layout(tuple(param.shape), len(ranks), 1, ranks), group
+        return Layout(tuple(param.shape), len(ranks), 1, ranks), exchange_group
 
     mesh, placements = param.device_mesh, tuple(param.placements)
     shape = tuple(param.shape)
     if len(placements) == 1 and type(placements[0]) is Shard and placements[0].dim == 0:
-        group = mesh.get_group(0)
-        return Layout(shape, 1, mesh.size(0), _group_ranks(group)), group
+        exchange_group = mesh.get_group(0)
+        return Layout(shape, 1, mesh.size(0), _group_ranks(exchange_group)), exchange_group
     if (
         len(placements) == 2
         and type(placements[0]) is Replicate
@@ -184,15 +184,16 @@ def detect_layout(
         world = dist.get_world_size()
         if split_replicas and mesh_ranks == tuple(range(world)):
             return Layout(shape, replicas, shards, mesh_ranks), dist.group.WORLD
-        group = mesh.get_group(1)
-        return Layout(shape, 1, shards, _group_ranks(group)), group
+        exchange_group = mesh.get_group(1)
+        return Layout(shape, 1, shards, _group_ranks(exchange_group)), exchange_group
     if all(type(p) is Replicate for p in placements):
-        group = mesh.get_group(0) if mesh.ndim == 1 else None
-        if group is not None:
-            return Layout(shape, mesh.size(0), 1, _group_ranks(group)), group
+        exchange_group = mesh.get_group(0) if mesh.ndim == 1 else None
+        if exchange_group is not None:
+            return Layout(shape, mesh.size(0), 1, _group_ranks(exchange_group)), exchange_group
     if len(placements) == 1 and type(placements[0]) is Shard and placements[0].dim == 1 and len(shape) == 2:
-        group = mesh.get_group(0)
-        return Layout((shape[1], shape[0]), 1, mesh.size(0), _group_ranks(group), transposed=True), group
+        exchange_group = mesh.get_group(0)
+        layout = Layout((shape[1], shape[0]), 1, mesh.size(0), _group_ranks(exchange_group), transposed=True)
+        return layout, exchange_group
     mesh_ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
     if not any(p.is_partial() for p in placements) and mesh_ranks == tuple(range(dist.get_world_size())):
         return Layout(shape, 1, len(mesh_ranks), mesh_ranks, gathered=True,

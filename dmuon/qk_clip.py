@@ -311,7 +311,7 @@ class QKClip:
                  _check_model: Callable[[], None] = lambda: None) -> None:
         self.optimizer, self.threshold, self.alpha = optimizer, threshold, alpha
         self.layers = dict(layers)
-        self._group = job_group(process_group)
+        self._process_group = job_group(process_group)
         self._slots: dict[str, slice] = {}
         self._records: Tensor | None = None
         self._problems: dict[str, str] = {}
@@ -325,7 +325,7 @@ class QKClip:
             _check_model()
             return self._fingerprint()
 
-        agreed_call("QKClip construction", build, self._group, self._device, what="QK-clip configuration")
+        agreed_call("QKClip construction", build, self._process_group, self._device, what="QK-clip configuration")
         start = 0
         for name, layer in self.layers.items():
             self._slots[name] = slice(start, start + layer.num_heads)
@@ -377,7 +377,7 @@ class QKClip:
     # ------------------------------------------------------------ construction
 
     def _device(self) -> torch.device:
-        return collective_device(self.optimizer.param_groups, self._group)
+        return collective_device(self.optimizer.param_groups, self._process_group)
 
     def _check(self) -> None:
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not (
@@ -472,7 +472,7 @@ class QKClip:
         codes[-1] = float(bool(self._unknown))
         records = torch.where(records.isnan() | (records == math.inf), NOT_RECORDED, records)
         values = torch.cat([records, codes])
-        all_reduce_max(values, self._group)
+        all_reduce_max(values, self._process_group)
         values = values.cpu()
         problems, self._problems, unknown, self._unknown, self._records = self._problems, {}, self._unknown, [], None
         self._raise_for(values[total:], problems, unknown)

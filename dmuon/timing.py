@@ -51,7 +51,7 @@ def symmetric_products_seconds(config: NSConfig, shape: tuple[int, ...], device:
 
 
 def choose_symmetric_products(entries: Sequence[MuonParam], device: torch.device,
-                              group: dist.ProcessGroup | None) -> dict[tuple[int, int], str]:
+                              process_group: dist.ProcessGroup | None) -> dict[tuple[int, int], str]:
     """``symmetric_products="auto"``: time Newton–Schulz of each matrix shape with torch's
     products and with the Triton kernel (where Triton runs), and keep the faster. Under
     torch.distributed the ranks add up their timings (gathered as bytes), so that every rank
@@ -62,8 +62,8 @@ def choose_symmetric_products(entries: Sequence[MuonParam], device: torch.device
         shapes.setdefault(shape, ns_config(m.param_group, shape, device.type))
     seconds = {shape: symmetric_products_seconds(config, (1, *shape), device) for shape, config in shapes.items()} \
         if triton_usable(device) else {}
-    if group is not None:
-        everyone: list[dict] = all_gather_object(seconds, group, device)
+    if process_group is not None:
+        everyone: list[dict] = all_gather_object(seconds, process_group, device)
         seconds = {shape: {kind: sum(rank.get(shape, {}).get(kind, math.inf) for rank in everyone)
                            for kind in SYMMETRIC_PRODUCTS} for shape in everyone[0]}
     return {shape: min(times, key=times.get) for shape, times in seconds.items()}
