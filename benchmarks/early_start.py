@@ -106,7 +106,8 @@ def main() -> None:
     tokens = args.batch_size * args.seq_len
     params = sum(p.numel() for p in runs["adamw"][0].parameters())
     print(f"early start, one process: {args.preset} preset, {config.n_layers} layers ({params / 1e6:.1f}M "
-          f"parameters), {tokens} tokens per step, {args.device}; {args.rounds} rounds after {args.warmup} warm-up steps")
+          f"parameters), {tokens} tokens per step, {args.device}; {args.rounds} rounds after {args.warmup} "
+          "warm-up steps")
     print(f"early start: {early.early_start}; buckets begun in the backward pass at the last step: "
           f"{early.last_step_stats.early_buckets[0]} of {early.last_step_stats.early_buckets[1]}")
     result = {"device": args.device, "preset": args.preset, "tokens_per_step": tokens, "parameters": params,

@@ -71,8 +71,8 @@ def optimizers(model: nn.Module) -> dict[str, Callable[[], torch.optim.Optimizer
     named_rest = [(n, p) for n, p in model.named_parameters() if p.ndim < 2]
 
     def dmuon_muon(**options) -> dmuon.Muon:
-        return dmuon.Muon([{"params": named_matrices, "algorithm": "muon"}, {"params": named_rest, "algorithm": "adamw"}],
-                          lr=1e-3, **options)
+        groups = [{"params": named_matrices, "algorithm": "muon"}, {"params": named_rest, "algorithm": "adamw"}]
+        return dmuon.Muon(groups, lr=1e-3, **options)
 
     return {
         "adamw": lambda: torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True),
@@ -180,7 +180,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=64, help="blocks of 7 matrices (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="measured rounds (default: %(default)s)")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks of the DDP and FSDP2 runs (default: %(default)s)")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks of the DDP and FSDP2 runs (default: %(default)s)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)

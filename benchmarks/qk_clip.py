@@ -58,7 +58,8 @@ def main() -> None:
     for name, values in times.items():
         print(f"  {name:13s} step {statistics.median(values) * 1e3:9.1f} ms")
     last = runs["muon+qk-clip"][2].statistics()
-    print(f"  with QK-clip: {statistics.median(ratios):.3f}x the step without it ({min(ratios):.3f}-{max(ratios):.3f}); "
+    print(f"  with QK-clip: {statistics.median(ratios):.3f}x the step without it "
+          f"({min(ratios):.3f}-{max(ratios):.3f}); "
           f"last step: max logit {last['qk_clip/max_logit']:.2f}, {last['qk_clip/heads_clipped']:.0f} heads clipped")
 
 

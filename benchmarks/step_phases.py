@@ -127,11 +127,12 @@ def measure(args: argparse.Namespace) -> list[dict]:
 def table(ranks: list[dict]) -> str:
     lines = [f"{'phase':<26}" + "".join(f"{f'rank {r} ms':>12}{'share':>7}" for r in range(len(ranks)))]
     for phase in PHASES:
-        lines.append(f"{phase:<26}" + "".join(f"{1e3 * r['phases_s'][phase]:12.1f}{r['phases_s'][phase] / r['step_s']:7.2f}"
-                                              for r in ranks))
+        lines.append(f"{phase:<26}" + "".join(
+            f"{1e3 * r['phases_s'][phase]:12.1f}{r['phases_s'][phase] / r['step_s']:7.2f}" for r in ranks))
     lines.append(f"{'optimizer step':<26}" + "".join(f"{1e3 * r['step_s']:12.1f}{1:7.2f}" for r in ranks))
     busiest = max(r["phases_s"]["Newton-Schulz"] for r in ranks)
-    lines.append(f"NS / step (busiest rank's NS over the slowest step): {busiest / max(r['step_s'] for r in ranks):.2f}")
+    slowest = max(r["step_s"] for r in ranks)
+    lines.append(f"NS / step (busiest rank's NS over the slowest step): {busiest / slowest:.2f}")
     return "\n".join(lines)
 
 

@@ -7,8 +7,8 @@ layout), :class:`QKClip` (MuonClip: attention logits kept under a threshold, eve
 """
 
 from dmuon.clipping import clip_grad_norm_
-from dmuon.orthogonalization import newton_schulz
 from dmuon.optimizer import Muon
+from dmuon.orthogonalization import newton_schulz
 from dmuon.owner import OwnerSharding, shard_by_owner
 from dmuon.qk_clip import AttentionLayer, QKClip, max_logits
 

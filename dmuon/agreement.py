@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.tensors import finite_flags, local, maybe_nonfinite
 from dmuon.exchange import CommCounter, all_gather_bytes, all_reduce_max
+from dmuon.tensors import finite_flags, local, maybe_nonfinite
 
 Fingerprint = Sequence[tuple[str, str]]
 Words = tuple[int, int, int]

@@ -28,13 +28,11 @@ Memory: the held updates are one tensor per Muon parameter (this rank's piece), 
 momentum; with the momentum, the state is then AdamW's two tensors per parameter.
 
 Where it pays: ``early_start=None`` (the default) turns it on for CUDA parameters, where the
-run's own stream fills the backward pass's idle time (measured on an H200 with 4 layers of
-Llama-3.2-3B's shapes: one process +13.7 % → +9.9 % step time over AdamW, FSDP2 +10.6 % → +8.3 %),
-and off on CPU, where the hooks run on the backward pass's own thread and there is no idle time
-to fill (``dmuon bench`` FSDP2 at 2 ranks on 2 cores, settled after 7 rounds: 1.57× ±9 % AdamW's
-step with it, 1.61× ±10 % without: no gain beyond the noise, for the held updates' memory). It does not pay on small models whose step is bound by kernel launches (the 27M
-``bench`` preset under FSDP2 on the H200: +40 % → +65 %): pass ``early_start=False`` there.
-``True`` forces it.
+run's own stream fills the backward pass's idle time, and off on CPU, where the hooks run on the
+backward pass's own thread and there is no idle time to fill (no gain beyond the noise was
+measured, and the held updates cost memory). It does not pay on small models whose step is bound
+by kernel launches: pass ``early_start=False`` there. ``True`` forces it. The measurements behind
+these defaults are in BENCHMARKS.md, "Early start: Newton–Schulz in the backward pass".
 
 Where a parameter's gradient is not final when the hook runs (DDP: its all-reduce comes after;
 owner sharding: the owner's reduce comes after), or where the step plan has strategies that do

@@ -22,6 +22,7 @@ from dmuon.orthogonalization import NSConfig, orthogonalize
 from dmuon.param_groups import MuonParam
 from dmuon.tensors import local
 
+
 def update_momentum(buf: Tensor, grad: Tensor, momentum: Tensor) -> None:
     """``B ← μ·B + (1−μ)·G``, μ a 0-D tensor (compiled once for every μ)."""
     buf.lerp_(grad, 1 - momentum.to(buf.dtype))

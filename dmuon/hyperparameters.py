@@ -26,8 +26,11 @@ MUON_KEYS = (
 )
 # AdamW's options as a param group stores them; None for lr and weight decay: the group's own.
 ADAMW_GROUP_KEYS = ("adamw_lr", "adamw_weight_decay", "adamw_betas", "adamw_eps")
-# Per-parameter routing, stored in each group: lists parallel to "params".
-ROUTING_KEYS = ("algorithms", "matrix_views", "route_reasons")
+# Per-parameter routing, stored in each group (and in checkpoints): lists parallel to "params".
+ROUTING_KEYS = ("algorithms", "matrix_views")
+# Why each parameter is routed as it is, in each group, parallel to "params": worked out again at
+# construction, so left out of state dicts (the ones of older versions carry it, and still load).
+ROUTE_REASONS = "route_reasons"
 # Keys a user's param group may carry besides hyperparameters ("betas": AdamW's, by its torch name).
 # "use_addmm": torch.optim.Muon's, accepted and checked; dmuon's Newton–Schulz always fuses its products.
 USER_KEYS = frozenset({"params", "param_names", "algorithm", "matrix_view", "name", "initial_lr", "betas", "use_addmm"})
@@ -101,7 +104,8 @@ class EngineOptions:
             raise ValueError(f"Invalid symmetric_products={self.symmetric_products!r}. "
                              f"Must be one of {(*SYMMETRIC_PRODUCTS, 'auto')}.")
         if self.early_start not in (None, True, False):
-            raise ValueError(f"Invalid early_start={self.early_start!r}. Must be None (where supported), True or False.")
+            raise ValueError(f"Invalid early_start={self.early_start!r}. Must be None (where supported), True or "
+                             "False.")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"Invalid cuda_graphs={self.cuda_graphs!r}. Must be a bool.")
         if not (isinstance(self.compile, (bool, str)) or callable(self.compile)):
@@ -110,7 +114,8 @@ class EngineOptions:
 
     def describe(self) -> str:
         """As the ranks compare it: a compile backend by its name, not its address."""
-        backend = self.compile if isinstance(self.compile, (bool, str)) else getattr(self.compile, "__name__", "callable")
+        backend = (self.compile if isinstance(self.compile, (bool, str))
+                   else getattr(self.compile, "__name__", "callable"))
         return repr((self.comm_dtype, self.bucket_bytes, self.replica_split, self.distributed_ns,
                      self.symmetric_products, backend, self.cuda_graphs, self.early_start))
 
@@ -176,7 +181,8 @@ def validate_defaults(defaults: dict[str, Any], options: EngineOptions) -> None:
     """The constructor's arguments: the engine options, ``nonfinite_grads`` and both groups' defaults."""
     options.validate()
     if defaults["nonfinite_grads"] not in NONFINITE_POLICIES:
-        raise ValueError(f"Invalid nonfinite_grads={defaults['nonfinite_grads']!r}. Must be one of {NONFINITE_POLICIES}.")
+        raise ValueError(f"Invalid nonfinite_grads={defaults['nonfinite_grads']!r}. Must be one of "
+                         f"{NONFINITE_POLICIES}.")
     validate_muon_group(defaults)
     validate_adamw_group({**adamw_options({}, defaults), "base_lr": defaults["lr"]})
 

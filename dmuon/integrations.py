@@ -75,5 +75,6 @@ def hf_optimizer_cls_and_kwargs(**muon_kwargs: Any) -> tuple[Callable[[], Callab
     """
     invalid = sorted(set(muon_kwargs) & {"params", "model"})
     if invalid:
-        raise TypeError(f"hf_optimizer_cls_and_kwargs takes Muon's options only, not {invalid}: Trainer passes the model.")
+        raise TypeError(f"hf_optimizer_cls_and_kwargs takes Muon's options only, not {invalid}: Trainer passes the "
+                        "model.")
     return _trainer_factory, muon_kwargs

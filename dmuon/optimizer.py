@@ -19,7 +19,13 @@ from dmuon.early_start import CHANGED, NOT_USED, USED, EarlyStart, wanted
 from dmuon.elementwise import adamw_steps, update_momentum_of
 from dmuon.engine import StepStats
 from dmuon.exchange import GroupRef, collective_device, job_group
-from dmuon.hyperparameters import EngineOptions, check_use_addmm, unexpected_option_message, validate_defaults
+from dmuon.hyperparameters import (
+    ROUTE_REASONS,
+    EngineOptions,
+    check_use_addmm,
+    unexpected_option_message,
+    validate_defaults,
+)
 from dmuon.layout import owned_by, owner_shardings
 from dmuon.orthogonalization import NORMALIZATION_EPS, default_dtype_reason
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
@@ -166,8 +172,9 @@ class Muon(torch.optim.Optimizer):
         if blind:
             warnings.warn(blind, stacklevel=5)  # _build <- build <- agreed_call <- __init__ <- the caller
         self._order_buckets()
-        self.plans  # detects every layout now: an unsupported one raises before any collective
         here = self._stepped_here()
+        # every layout detected and planned now: an unsupported one raises before any collective
+        self._planner.exchange_plans(self._planner.works(here))
         if options.early_start and here:  # early_start=True where the layouts cannot run it: raised now, on every rank
             self._early.check(self._planner.build(None, here, self._collective_device()),
                               self._compiled)
@@ -188,9 +195,11 @@ class Muon(torch.optim.Optimizer):
         The group stays one group: each parameter in it is routed to Muon or AdamW
         (:meth:`routing_summary`), unless its ``"algorithm"`` key sends all of them to one."""
         named = bool(getattr(self, "param_groups", None)) and "param_names" in self.param_groups[0]
-        build = (lambda: param_groups.build_group(param_group, self.defaults, len(self.param_groups),
-                                                  self._module_roles,
-                                                  param_groups.names_in(self._model()) if named else None))
+
+        def build() -> dict[str, Any]:
+            return param_groups.build_group(param_group, self.defaults, len(self.param_groups), self._module_roles,
+                                            param_groups.names_in(self._model()) if named else None)
+
         if not hasattr(self, "_structure_words"):  # from torch.optim.Optimizer.__init__: agreed after
             self._add_stored(build())
             return
@@ -300,6 +309,15 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, less each group's ``"route_reasons"``: they explain the routing,
+        which the checkpoint keeps (``"algorithms"``, ``"matrix_views"``), and are worked out
+        again when the optimizer is built."""
+        state = super().state_dict()
+        for group in state["param_groups"]:
+            group.pop(ROUTE_REASONS, None)
+        return state
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (collective under torch.distributed, as construction is).
 
@@ -320,6 +338,8 @@ class Muon(torch.optim.Optimizer):
                 loaded = param_groups.from_torch_muon(state_dict, self.param_groups)
             param_groups.check_loadable(loaded, self.param_groups)
             torch.optim.Optimizer.load_state_dict(self, loaded)
+            for group, before in zip(self.param_groups, kept[1]):  # the routing is checked equal
+                group[ROUTE_REASONS] = before[ROUTE_REASONS]
             return self._fingerprint(self.param_groups)
 
         try:

@@ -19,11 +19,10 @@ Two algorithms compute the same composition:
 Every matrix is processed as a 3-D batch ``(B, m, n)`` with batched kernels. Whether a matrix
 then gives bitwise the same result alone (B = 1) as stacked with others of its shape — what the
 distributed engine needs to match the single-process step exactly — is up to the GEMM kernels.
-Measured on CPU (2-core Xeon, AVX-512, MKL 2024.2; tests/unit/test_numerics_edge_cases.py): always in
-bf16; in fp32 and fp64 with one intra-op thread (``torch.get_num_threads() == 1``) — with more,
-MKL may split a lone matrix's products over the threads but runs a stack's one per thread, and
-the results differ by rounding (at 2 threads up to 2e-6 max |Δ| for standard NS, 3.5e-5 for
-Gram NS); in fp16 not even then (up to 3.9e-3). Not measured on CUDA.
+On CPU it holds in bf16, and in fp32 and fp64 with one intra-op thread
+(``torch.get_num_threads() == 1``) for the shapes tried, with exceptions that docs/concepts.md
+lists with the measured differences (tests/unit/test_numerics_edge_cases.py checks this
+machine's BLAS).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -41,7 +40,7 @@ from torch import Tensor
 from dmuon.triton_kernels import symmetric_baddbmm, symmetric_gram, triton_usable
 
 Coefficients = tuple[float, float, float]
-CoefficientsSpec = Union[str, Coefficients, Sequence[Coefficients]]
+CoefficientsSpec = str | Coefficients | Sequence[Coefficients]
 Method = Literal["standard", "gram"]
 
 # Keller Jordan's Muon quintic, used at every step (torch.optim.Muon's default).
@@ -191,10 +190,9 @@ def default_gram_restarts(coefficients: CoefficientsSpec, steps: int) -> tuple[i
 
     Measured positions where known; otherwise before step 2 and every second step after it,
     while at least two steps follow (a restart costs two passes over the long side, so one
-    in the last step would not pay for itself). Searching all one- and two-restart positions
-    in fp16 on near-low-rank 64×256 inputs, this rule came within 1.1× of the most accurate
-    choice for every named schedule at 6 and 7 steps (tests/unit/test_orthogonalization.py holds
-    it below the error of standard NS in bf16).
+    in the last step would not pay for itself). docs/numerics.md §Gram Newton–Schulz and
+    restarts says how close this rule came to the best positions found by search
+    (tests/unit/test_orthogonalization.py holds it below the error of standard NS in bf16).
     """
     if isinstance(coefficients, str) and (coefficients, steps) in _MEASURED_GRAM_RESTARTS:
         return _MEASURED_GRAM_RESTARTS[(coefficients, steps)]
@@ -212,7 +210,7 @@ def _validate_restarts(restarts: Sequence[int], steps: int) -> tuple[int, ...]:
 CPU_BF16_OVERRIDE = "DMUON_CPU_BF16"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_bf16_native() -> bool:
     forced = os.environ.get(CPU_BF16_OVERRIDE, "")
     if forced:
@@ -225,18 +223,18 @@ def _cpu_bf16_native() -> bool:
 
 def native_bf16(device_type: str) -> bool:
     """Whether bf16 products run natively on ``device_type``: CUDA, or a CPU with AVX512-BF16 or
-    AMX. Other CPUs emulate them at about a tenth of their fp32 rate (measured on a 2-core AVX2
-    AMD EPYC: 1.9 GFLOP/s in bf16, 21 in fp32)."""
+    AMX. Other CPUs emulate them at about a tenth of their fp32 rate (BENCHMARKS.md)."""
     return device_type == "cuda" or (device_type == "cpu" and _cpu_bf16_native())
 
 
 def default_dtype(device_type: str, method: str) -> torch.dtype:
     """Compute dtype when none is given (``ns_dtype=None``); :func:`default_dtype_reason` says why.
 
-    CUDA: fp16 (tensor-core speed with 8× less rounding error than bf16; Gram NS requires it).
-    CPU: bf16 for standard NS where bf16 products are native (AVX512-BF16, AMX: 2–6× faster than
+    CUDA: fp16 (tensor-core speed with less rounding error than bf16; Gram NS requires it).
+    CPU: bf16 for standard NS where bf16 products are native (AVX512-BF16, AMX: faster than
     fp32), fp32 where they are emulated; fp32 for Gram NS, since bf16 Gram NS is unstable and
-    fp16 products are emulated (slow) on CPU.
+    fp16 products are emulated (slow) on CPU. The figures are in docs/numerics.md §Compute dtype
+    and method choice.
     """
     if device_type == "cuda":
         return torch.float16
@@ -294,9 +292,9 @@ def _power_of_two_scale(amax: Tensor) -> Tensor:
 def _max_abs(X: Tensor) -> Tensor:
     """max |X| per matrix of a stack ``(B, m, n)``, shaped (B, 1, 1); 0 for empty matrices.
 
-    As max(max X, −min X): two reads and no |X| temporary (about 0.7× the time of
-    ``X.abs().amax()`` on one CPU core); the same values, NaN and inf included (a matrix of
-    −0.0 gives −0.0, whose exponent bits are those of 0)."""
+    As max(max X, −min X): two reads and no |X| temporary (faster than ``X.abs().amax()``;
+    ``benchmarks/kernel_choices.py``); the same values, NaN and inf included (a matrix of −0.0
+    gives −0.0, whose exponent bits are those of 0)."""
     if X.numel() == 0:
         return X.new_zeros(X.shape[0], 1, 1)
     return torch.maximum(X.amax(dim=(-2, -1), keepdim=True), X.amin(dim=(-2, -1), keepdim=True).neg_())
@@ -397,7 +395,7 @@ def _gram(X: Tensor, schedule: Sequence[Coefficients], restarts: Sequence[int],
             RZ = symmetric(R, R, W, beta=a)
             R = symmetric(RZ, W, RZ, beta=a)  # Z·R·Z
             # Z·R·Z is symmetric in exact arithmetic; dropping the rounding's antisymmetric
-            # part costs m² and cut the fp16 error by 10–25 % in our measurements.
+            # part costs m² and cuts the fp16 error (docs/numerics.md §Gram Newton–Schulz).
             R = (R + R.mT) * 0.5
     assert Q is not None
     return torch.bmm(Q, X)
@@ -485,10 +483,12 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
 
 def _transposed(X: Tensor) -> Tensor:
     """Each matrix of a stack ``(B, m, n)`` transposed, for the products: on CPU a contiguous
-    copy, a matrix at a time — strided inputs cost the products more than the copy (a 1536×512
-    bf16 matrix: about 1.1 ms more against 0.45 ms for the copy, one core), and a 2-D copy takes
-    torch's blocked transpose where a batched one is 2–4× slower. CUDA's products read strided
-    operands at full speed: there it stays a view."""
+    copy, a matrix at a time, made once per Newton–Schulz call for the products that read the
+    input (the first step's, and Gram NS's restarts): where strided operands slow those, it pays,
+    and a 2-D copy takes torch's blocked transpose where a batched one is slower. On some CPUs
+    strided operands cost nothing and the copy is a small loss (``benchmarks/kernel_choices.py``
+    measures both; BENCHMARKS.md). CUDA's products read strided operands at full speed: there it
+    stays a view."""
     if X.device.type != "cpu":
         return X.mT
     out = X.new_empty(X.shape[0], X.shape[2], X.shape[1])
@@ -546,7 +546,8 @@ def orthogonalize_column_blocks(X_local: Tensor, config: NSConfig, all_reduce: C
     up to the order of the sums.
     """
     if X_local.ndim != 3:
-        raise ValueError(f"orthogonalize_column_blocks takes a stack (B, m, n_local), got shape {tuple(X_local.shape)}.")
+        raise ValueError(f"orthogonalize_column_blocks takes a stack (B, m, n_local), got shape "
+                         f"{tuple(X_local.shape)}.")
     X = _normalize_column_blocks(X_local.to(torch.promote_types(X_local.dtype, torch.float32)), config.eps,
                                  all_reduce).to(config.dtype)
 

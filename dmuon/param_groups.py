@@ -6,7 +6,8 @@ A stored group holds the Muon hyperparameters (``MUON_KEYS``), AdamW's (``ADAMW_
 None for lr and weight decay means the group's own), ``"algorithm"`` (the user's override or
 None), ``"base_lr"`` (the lr when the group was added: an explicit ``adamw_lr`` scales with the
 group's lr from there), and per parameter, in lists parallel to ``"params"``: ``"algorithms"``,
-``"matrix_views"`` and ``"route_reasons"``.
+``"matrix_views"`` and ``"route_reasons"`` (the one key :meth:`dmuon.Muon.state_dict` leaves
+out: it explains, and is worked out again at construction).
 """
 
 from __future__ import annotations
@@ -21,8 +22,18 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dmuon.hyperparameters import (
-    ADAMW_GROUP_KEYS, GROUP_KEYS, MUON_KEYS, ROUTING_KEYS, STATE_KEYS, USER_KEYS, adamw_options, check_use_addmm,
-    dtype_name, validate_adamw_group, validate_muon_group,
+    ADAMW_GROUP_KEYS,
+    GROUP_KEYS,
+    MUON_KEYS,
+    ROUTE_REASONS,
+    ROUTING_KEYS,
+    STATE_KEYS,
+    USER_KEYS,
+    adamw_options,
+    check_use_addmm,
+    dtype_name,
+    validate_adamw_group,
+    validate_muon_group,
 )
 from dmuon.layout import owned_by
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, Route, block_rows, default_route, matrix_shape
@@ -33,7 +44,8 @@ Entry = tuple[str | None, Tensor]
 def check_params_type(params: Any) -> None:
     """An optimizer's ``params`` must come in a stable order: a set or a lone tensor cannot."""
     if isinstance(params, (set, Tensor)):
-        raise TypeError(f"params must be a module, or an ordered iterable of tensors or dicts, not a {type(params).__name__}.")
+        raise TypeError("params must be a module, or an ordered iterable of tensors or dicts, not a "
+                        f"{type(params).__name__}.")
 
 
 def build_group(param_group: dict[str, Any], defaults: dict[str, Any], index: int, roles: dict[int, str],
@@ -74,7 +86,7 @@ def build_group(param_group: dict[str, Any], defaults: dict[str, Any], index: in
               for i, (name, param) in enumerate(entries)]
     group["algorithms"] = [r.algorithm for r in routes]
     group["matrix_views"] = [r.matrix_view for r in routes]
-    group["route_reasons"] = [r.reason for r in routes]
+    group[ROUTE_REASONS] = [r.reason for r in routes]
     if "muon" in group["algorithms"]:
         validate_muon_group(group, where)
     validate_adamw_group(group, where)
@@ -225,7 +237,8 @@ class MuonParam:
 def muon_params(groups: Sequence[dict[str, Any]]) -> list[MuonParam]:
     """Every Muon parameter, in group order."""
     return [MuonParam(name, p, group, view) for g, group in enumerate(groups)
-            for name, p, alg, view in zip(names_of(group, g), group["params"], group["algorithms"], group["matrix_views"])
+            for name, p, alg, view in zip(names_of(group, g), group["params"], group["algorithms"],
+                                          group["matrix_views"])
             if alg == "muon"]
 
 
@@ -244,7 +257,7 @@ def routes(groups: Sequence[dict[str, Any]]) -> dict[str, Route]:
     out = {}
     for g, group in enumerate(groups):
         out.update((name, Route(*r)) for name, *r in
-                   zip(names_of(group, g), group["algorithms"], group["matrix_views"], group["route_reasons"]))
+                   zip(names_of(group, g), group["algorithms"], group["matrix_views"], group[ROUTE_REASONS]))
     return out
 
 
@@ -278,7 +291,7 @@ def routing_summary(groups: Sequence[dict[str, Any]]) -> str:
                     notes.append(fused_hint(name, m, n))
             else:
                 matrices = "-"
-            rows.append((str(g), name, "x".join(map(str, p.shape)), algorithm, matrices, group["route_reasons"][i]))
+            rows.append((str(g), name, "x".join(map(str, p.shape)), algorithm, matrices, group[ROUTE_REASONS][i]))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(table + notes)

@@ -30,10 +30,19 @@ from dmuon.engine import Engine
 from dmuon.exchange import GroupRef, gather_whole
 from dmuon.hyperparameters import EngineOptions, adjusted_lr_ratio, ns_config
 from dmuon.layout import detect_layout, owned_by, piece_of
-from dmuon.param_groups import MuonParam
 from dmuon.orthogonalization import orthogonalize
-from dmuon.planner import (DEFAULT_FLOPS_PER_BYTE, MatrixOptions, Plan, Unit, choose, column_block_cost, column_blocks_fit,
-                           exchange_groups, make_plan)
+from dmuon.param_groups import MuonParam
+from dmuon.planner import (
+    DEFAULT_FLOPS_PER_BYTE,
+    MatrixOptions,
+    Plan,
+    Unit,
+    choose,
+    column_block_cost,
+    column_blocks_fit,
+    exchange_groups,
+    make_plan,
+)
 from dmuon.routing import block_rows, matrix_shape
 from dmuon.strategies.base import Block, MatrixWork, Strategy, unit_of, wire_dtype
 from dmuon.strategies.column_blocks import ColumnBlocks
@@ -219,7 +228,8 @@ class StepPlanner:
         ``column_blocks`` (where the layout allows it) it runs distributed NS on column blocks."""
         name, p, group, view = entry.name, entry.param, entry.param_group, entry.view
         stack = p.ndim == 3 and view in ("auto", "batch")
-        layout, process_group = detect_layout(p, name, self._process_group(), split_replicas=split_replicas, stack=stack)
+        layout, process_group = detect_layout(p, name, self._process_group(), split_replicas=split_replicas,
+                                              stack=stack)
         # what NS sees: a local stack's own matrices, or for Shard(1) the transpose
         count, m, n = matrix_shape(layout.shape, view)
         _, rows_of_p, cols_of_p = matrix_shape(p.shape, view)

@@ -91,7 +91,8 @@ class StepValues:
         for chunk in self._by_group(indices):
             group, ratio = chunk.param_group, chunk.lr_scale
             params = [local(p) for p in chunk.params]
-            mine = [updates[k].mT if transposed else updates[k] for k, transposed in zip(chunk.positions, chunk.transposed)]
+            mine = [updates[k].mT if transposed else updates[k]
+                    for k, transposed in zip(chunk.positions, chunk.transposed)]
             if norms is not None:
                 own = norms[list(chunk.positions)]
             else:  # in fp32 at least, as the statistics always are (a norm cannot narrow fp64)

@@ -21,8 +21,8 @@ def maybe_nonfinite(tensors: Sequence[Tensor]) -> Tensor:
 
     It is True for every tensor holding a NaN or ±inf, and also for huge finite ones whose
     squares overflow (|x| ≳ 1.8e19 in fp32); :func:`finite_flags` tells the two apart for the
-    few it flags. ``tensors`` must not be empty. One ``torch._foreach_norm`` call, about 1.7×
-    faster on CPU than the exact check in fp64."""
+    few it flags. ``tensors`` must not be empty. One ``torch._foreach_norm`` call, faster on CPU
+    than the exact check in fp64 (``benchmarks/kernel_choices.py``)."""
     wide = any(t.dtype == torch.float64 for t in tensors)
     norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float64 if wide else torch.float32)
     return ~torch.stack(norms).isfinite()
@@ -34,7 +34,7 @@ def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
     A tensor is finite exactly when its 2-norm accumulated in fp64 is: NaN and ±inf propagate,
     and squares of fp32/bf16/fp16 values (below 3.4e38) cannot overflow fp64, so huge but finite
     tensors pass. fp64 tensors take the infinity norm instead (a maximum cannot overflow;
-    ``torch._foreach_norm`` computes it about 3× slower on CPU). Empty tensors are finite."""
+    ``torch._foreach_norm`` computes it slower on CPU). Empty tensors are finite."""
     if tensors and all(t.dtype != torch.float64 and t.numel() for t in tensors):  # the usual case: one call
         return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float64)).isfinite()
     flags = torch.ones(len(tensors), dtype=torch.bool, device=tensors[0].device if tensors else None)

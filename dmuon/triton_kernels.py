@@ -11,7 +11,7 @@ otherwise (and so that the interpreter setting, read when kernels are defined, c
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _lower_product_kernel():
     import triton
     import triton.language as tl

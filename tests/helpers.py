@@ -131,7 +131,8 @@ def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = t
     elif parallel in ("fsdp", "hsdp"):
         shape = (2, world // 2) if parallel == "hsdp" else (world,)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
+                  else None)
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, **({"mp_policy": policy} if policy else {}))
         fully_shard(model, mesh=mesh, **({"mp_policy": policy} if policy else {}))

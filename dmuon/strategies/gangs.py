@@ -103,7 +103,8 @@ class Gangs:
             if self.me in work.gang:
                 ranks = tuple(work.layout.group_ranks[p] for p in work.gang)
                 if ranks not in made:
-                    made[ranks] = work.process_group_ref if len(ranks) == work.layout.size else GroupRef(new_subgroup(ranks))
+                    whole = len(ranks) == work.layout.size  # the exchange group itself
+                    made[ranks] = work.process_group_ref if whole else GroupRef(new_subgroup(ranks))
                 self._groups[i] = made[ranks]  # torch.distributed's registry holds the group
 
     def run(self, io: StepIO, ctx: Context) -> None:

@@ -91,7 +91,14 @@ from torch.nn.parallel import DistributedDataParallel
 from dmuon.orthogonalization import NAMED_COEFFICIENTS, native_bf16, orthogonalize, orthogonalize_column_blocks
 from dmuon.owner import OwnerSharding, shard_by_owner
 from dmuon.tools.cli import (
-    UsageError, check_plot, check_seq_len, name_list, non_negative_float, non_negative_int, output_path, positive_float,
+    UsageError,
+    check_plot,
+    check_seq_len,
+    name_list,
+    non_negative_float,
+    non_negative_int,
+    output_path,
+    positive_float,
     positive_int,
 )
 from dmuon.tools.demo import CONFIGS as OPTIMIZERS
@@ -512,8 +519,8 @@ def _timed(names: list[str], args: argparse.Namespace, rank: int, world: int, de
     dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
     results = summarize(records, world)
     for name, (opt, train) in zip(names, averaged.tolist()):
-        results[name] = dataclasses.replace(results[name], opt_bytes_per_step=opt if sent[name][0] is not None else None,
-                                            train_bytes_per_step=train)
+        opt_bytes = opt if sent[name][0] is not None else None
+        results[name] = dataclasses.replace(results[name], opt_bytes_per_step=opt_bytes, train_bytes_per_step=train)
     return {"results": results, "rounds_start": measured_start}
 
 
@@ -620,7 +627,8 @@ def format_table(results: list[BenchResult], load: Load | None = None, about: st
                ("opt/vanilla", 11), ("mem/AdamW", 9)]
 
     def row(cells: list[str], widths: list[tuple[str, int]]) -> str:
-        return " ".join(f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}" for i, (cell, (_, w)) in enumerate(zip(cells, widths)))
+        return " ".join(f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}"
+                        for i, (cell, (_, w)) in enumerate(zip(cells, widths)))
 
     lines.append(row([title for title, _ in columns], columns))
     for r in results:

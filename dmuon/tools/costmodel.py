@@ -47,8 +47,19 @@ from torch import Tensor
 from dmuon.layout import Layout
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops, resolve_config
 from dmuon.planner import (
-    DEFAULT_BUCKET_BYTES, DEFAULT_FLOPS_PER_BYTE, Choices, MatrixOptions, Plan, Unit, choose, column_block_cost,
-    column_block_flops, gang_member_flops, gang_slice_elements, make_plan, plan_ownership,
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_FLOPS_PER_BYTE,
+    Choices,
+    MatrixOptions,
+    Plan,
+    Unit,
+    choose,
+    column_block_cost,
+    column_block_flops,
+    gang_member_flops,
+    gang_slice_elements,
+    make_plan,
+    plan_ownership,
 )
 from dmuon.tools.hardware import RING_BYTES, HardwareProfile
 from dmuon.tools.models import PRESETS, LlamaConfig, get_config, matrix_shapes, param_count

@@ -18,8 +18,8 @@ What a profile claims, and what it leaves out:
   ``busy_cores`` worth of other jobs, so each rank thread gets ``(cores − busy)/(ranks·threads)``
   of a core (at most one), at ``parallel_efficiency`` of its alone-speed once several run at
   once (shared caches, memory, clocks, the scheduler's unfairness among more processes than
-  cores; measured per process count, gated by the slowest process). This scales compute, memory and loopback rates alike:
-  gloo's loopback copies run on the same cores.
+  cores; measured per process count, gated by the slowest process). This scales compute, memory
+  and loopback rates alike: gloo's loopback copies run on the same cores.
 * ``collective_efficiency``: the share of the link bandwidth a ring all-gather, reduce-scatter
   or all-reduce reaches per ring byte (NCCL: assumed 1; gloo: measured).
 * ``comm_overlaps_compute``: GPUs move data with copy engines and NCCL kernels beside the
@@ -36,7 +36,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -429,7 +429,7 @@ def measure_loopback_collectives(sizes: tuple[int, ...] = (1 << 12, 1 << 20, 1 <
     return bandwidth, latency, efficiency
 
 
-@lru_cache(maxsize=None)
+@cache
 def measure_cpu_profile(threads: int = 1) -> HardwareProfile:
     """This machine as one rank with ``threads`` torch threads sees it (a few seconds; cached).
 

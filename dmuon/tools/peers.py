@@ -36,9 +36,9 @@ What each one does with the orthogonalization on several ranks (checked on 2 glo
 
 Newton–Schulz (``PeerSpec.newton_schulz``, read from their sources at the pinned versions;
 ``PeerSpec.ns_coefficients`` names dmuon's schedule of the same polynomials, which ``dmuon bench
---ns-coefficients`` sets for dmuon's configurations). All of them, and both bench baselines, run 5 steps of the standard quintic iteration (three matrix
-products a step) on a bf16 copy of the update; they differ only in the coefficients, which do
-not change the cost:
+--ns-coefficients`` sets for dmuon's configurations). All of them, and both bench baselines, run
+5 steps of the standard quintic iteration (three matrix products a step) on a bf16 copy of the
+update; they differ only in the coefficients, which do not change the cost:
 
 - ``torch-muon`` (torch.optim.Muon, the bench's vanilla Muon): Keller Jordan's quintic
   (3.4445, -4.775, 2.0315) at every step, bf16, normalized in bf16.
@@ -224,12 +224,12 @@ def muon_fsdp2(model: Llama, lr: float, weight_decay: float) -> list[torch.optim
     Matrix ``i`` of the group goes to rank ``i % world``: every rank ``gather``s its Shard(0)
     piece of the momentum-updated gradient to the owner, the owner runs Newton–Schulz in bf16
     (``torch.compile``d: about a minute for the first step on CPU, tiny preset) and
-    ``scatter``s the rows back; up to 8 matrices are in flight at once. Owners are assigned by position, not by size, and not across groups. Its update
-    rule is torch.optim.Muon's with ``rms_scale=True`` (0.2 * sqrt(max(A, B))), so no
-    rescaling is needed. Limits, checked here so they fail at construction rather than in
-    ``step()``: parameters must be DTensors on a 1-D mesh (plain tensors, i.e. DDP, hit a
-    ``NameError`` in its single-device path in 0.3.0) with equal-sized shards (gloo ``gather``
-    needs ``A % world == 0``).
+    ``scatter``s the rows back; up to 8 matrices are in flight at once. Owners are assigned by
+    position, not by size, and not across groups. Its update rule is torch.optim.Muon's with
+    ``rms_scale=True`` (0.2 * sqrt(max(A, B))), so no rescaling is needed. Limits, checked here so
+    they fail at construction rather than in ``step()``: parameters must be DTensors on a 1-D
+    mesh (plain tensors, i.e. DDP, hit a ``NameError`` in its single-device path in 0.3.0) with
+    equal-sized shards (gloo ``gather`` needs ``A % world == 0``).
     """
     import muon_fsdp2 as peer
     from torch.distributed.tensor import DTensor

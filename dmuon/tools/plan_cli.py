@@ -19,8 +19,14 @@ from dataclasses import asdict, replace
 from dmuon.planner import DEFAULT_BUCKET_BYTES
 from dmuon.tools.cli import UsageError, fraction, output_path, positive_int
 from dmuon.tools.costmodel import (
-    DEFAULT_SEQ_LEN, DEFAULT_TOKENS_PER_RANK, MODES, Workload, build_plan, load_model_config,
-    measured_mfu, muon_params,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_TOKENS_PER_RANK,
+    MODES,
+    Workload,
+    build_plan,
+    load_model_config,
+    measured_mfu,
+    muon_params,
 )
 from dmuon.tools.hardware import DEFAULT_GPU_MFU, HARDWARE_NAMES, HardwareProfile, get_profile, measure_one_rank_seconds
 from dmuon.tools.models import PRESETS, LlamaConfig, matrix_shapes, param_count

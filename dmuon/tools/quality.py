@@ -43,7 +43,15 @@ from pathlib import Path
 
 import torch
 
-from dmuon.tools.cli import UsageError, check_plot, name_list, non_negative_float, output_path, positive_float, positive_int
+from dmuon.tools.cli import (
+    UsageError,
+    check_plot,
+    name_list,
+    non_negative_float,
+    output_path,
+    positive_float,
+    positive_int,
+)
 from dmuon.tools.demo import CONFIGS, OptimizerFactory
 from dmuon.tools.models import Llama, LlamaConfig, param_count
 

@@ -45,10 +45,30 @@ from torch import Tensor
 from dmuon.orthogonalization import NSConfig, gram_all_reduces
 from dmuon.planner import Plan, Unit
 from dmuon.tools.costmodel import (
-    APPLY_BYTES, MOMENTUM_BYTES, NESTEROV_BYTES, SplitUnit, Workload, adamw_params, adamw_seconds,
-    adamw_step_seconds, build_plan, check_seconds, compute_seconds, data_parallel_copy_seconds,
-    data_parallel_seconds, exposed_step_seconds, forward_backward_seconds, link, local_params, memory_seconds,
-    normalize_bytes, ns_prep_bytes, ns_seconds, pack_bytes, split_plan, vanilla_muon_step_seconds,
+    APPLY_BYTES,
+    MOMENTUM_BYTES,
+    NESTEROV_BYTES,
+    SplitUnit,
+    Workload,
+    adamw_params,
+    adamw_seconds,
+    adamw_step_seconds,
+    build_plan,
+    check_seconds,
+    compute_seconds,
+    data_parallel_copy_seconds,
+    data_parallel_seconds,
+    exposed_step_seconds,
+    forward_backward_seconds,
+    link,
+    local_params,
+    memory_seconds,
+    normalize_bytes,
+    ns_prep_bytes,
+    ns_seconds,
+    pack_bytes,
+    split_plan,
+    vanilla_muon_step_seconds,
 )
 
 

@@ -117,13 +117,15 @@ def sparse_gradient_on_rank_1() -> None:
 @pytest.mark.parametrize("fn,expected", [
     (add_group_on_rank_0_only,
      r"RuntimeError: Ranks are in different optimizer calls: some called add_param_group, others step"),
-    (add_group_with_lr_of_rank, r"ValueError: Ranks disagree .*param group 1's lr is 0.01 on rank 0 but 0.02 on rank 1"),
+    (add_group_with_lr_of_rank,
+     r"ValueError: Ranks disagree .*param group 1's lr is 0.01 on rank 0 but 0.02 on rank 1"),
     (add_group_with_shape_of_rank,
      r"ValueError: Ranks disagree .*param group 1's parameter 0 is unnamed \(5, 5\) float32 for muon .* on rank 0 "
      r"but unnamed \(5, 6\) float32 for muon"),
     (unnamed_in_rank_order, r"ValueError: Ranks disagree .*param group 0's parameter 0 is unnamed \(6, 6\) "
                             r"float32 for muon with values [0-9a-f]{16} .*pass names"),
-    (nonfinite_policy_of_rank, r"ValueError: Ranks disagree .*nonfinite_grads is 'raise' on rank 0 but 'skip' on rank 1"),
+    (nonfinite_policy_of_rank,
+     r"ValueError: Ranks disagree .*nonfinite_grads is 'raise' on rank 0 but 'skip' on rank 1"),
     (extra_named_matrix_on_rank_1,
      r"ValueError: Ranks disagree .*param group 0's parameter 2 is missing on rank 0 but 'c' \(5, 5\) float32 for "
      r"muon on rank 1"),

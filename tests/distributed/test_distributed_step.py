@@ -42,8 +42,8 @@ def step_parity(layout: str, shapes, steps: int, replica_split, comm_dtype=None,
     world = dist.get_world_size()
     mesh, placements = placements_for(layout, world)
     params, ref_params = params_and_reference(full_tensors(shapes, seed), mesh, placements)
-    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names_for(params)}], replica_split=replica_split,
-                     comm_dtype=comm_dtype, **HPARAMS)
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names_for(params)}],
+                     replica_split=replica_split, comm_dtype=comm_dtype, **HPARAMS)
     ref = ReferenceMuon(ref_params, **HPARAMS)
     stats = []
     for step in range(steps):

@@ -14,7 +14,6 @@ import dmuon
 from tests.harness import run_on_ranks
 from tests.helpers import single_process, train_llama
 
-
 BUCKET = 4 * 1024  # bytes of Newton–Schulz input per owner: the tiny model in several buckets
 
 

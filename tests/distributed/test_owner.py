@@ -21,7 +21,9 @@ import dmuon
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
 from tests.harness import run_on_ranks
 from tests.helpers import GLOBAL_BATCH, SEQ_LEN, error_of, single_process, whole_params
-from tests.helpers import LLAMA_HPARAMS as HPARAMS, LLAMA_STEPS as STEPS, train_llama as train_reference
+from tests.helpers import LLAMA_HPARAMS as HPARAMS
+from tests.helpers import LLAMA_STEPS as STEPS
+from tests.helpers import train_llama as train_reference
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -18,7 +18,14 @@ from dmuon import AttentionLayer, QKClip
 from dmuon.reference import ReferenceMuon
 from tests.harness import run_on_ranks
 from tests.helpers import (
-    as_layout, assert_same_error, error_of, full_tensor, full_tensors, placements_for, single_process, train_llama,
+    as_layout,
+    assert_same_error,
+    error_of,
+    full_tensor,
+    full_tensors,
+    placements_for,
+    single_process,
+    train_llama,
 )
 
 HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, ns_method="standard", ns_dtype=torch.float32)
@@ -160,7 +167,8 @@ def test_a_bad_record_on_one_rank_is_raised_on_every_rank_before_the_clip_change
     results = run_on_ranks(2, a_bad_record_on_one_rank)
     assert_same_error([r["error"].replace("recorded (3,) for heads [0, 4) of its 4 heads (one value per head)",
                                           "a bad record on another rank") for r in results],
-                      r"ValueError: QKClip: attention layer 'sep': a bad record on another rank\. Nothing was clipped\.")
+                      r"ValueError: QKClip: attention layer 'sep': a bad record on another rank\. "
+                      r"Nothing was clipped\.")
     assert "recorded (3,)" in results[1]["error"]
     assert all(r["unscaled"] for r in results)  # the optimizer stepped; the clip scaled nothing
 

@@ -40,7 +40,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 24, generator=g)
 
 
-def build(parallel: str | None, dtype: torch.dtype = torch.float32, **options) -> tuple[nn.Module, dmuon.Muon, int, int]:
+def build(parallel: str | None, dtype: torch.dtype = torch.float32,
+          **options) -> tuple[nn.Module, dmuon.Muon, int, int]:
     """The MLP (its parameters in ``dtype``) under ``parallel`` ("tp": 1-D TP mesh; "fsdp+tp":
     2×2 (dp, tp) mesh; None: one process), its optimizer, and this rank's data-parallel index
     and count."""
@@ -116,14 +117,16 @@ def save_and_load_tp(path: str) -> dict:
     opt.step()
     dcp_save(model, opt, path)
     return dict(params={n: full_tensor(p) for n, p in model.named_parameters()},
-                momentum={n: full_tensor(opt.state[p]["momentum_buffer"]) for n, p in model.named_parameters() if p.ndim == 2})
+                momentum={n: full_tensor(opt.state[p]["momentum_buffer"])
+                          for n, p in model.named_parameters() if p.ndim == 2})
 
 
 def load_plain(path: str) -> dict:
     model, opt, _, _ = build(None)
     dcp_load(model, opt, path)
     return dict(params={n: full_tensor(p) for n, p in model.named_parameters()},
-                momentum={n: full_tensor(opt.state[p]["momentum_buffer"]) for n, p in model.named_parameters() if p.ndim == 2})
+                momentum={n: full_tensor(opt.state[p]["momentum_buffer"])
+                          for n, p in model.named_parameters() if p.ndim == 2})
 
 
 def test_tensor_parallel_checkpoint_loads_in_one_process(tmp_path):
@@ -212,7 +215,8 @@ def test_planner_splits_a_matrix_only_when_it_lowers_the_makespan():
 
 def fsdp_tall_and_square() -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    init = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate([(4096, 16), (32, 32)])]
+    init = [torch.randn(shape, generator=torch.Generator().manual_seed(i))
+            for i, shape in enumerate([(4096, 16), (32, 32)])]
     params = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
     opt = dmuon.Muon([{"params": params, "algorithm": "muon"}], **HPARAMS)
     for p, t in zip(params, init):
@@ -224,7 +228,8 @@ def fsdp_tall_and_square() -> dict:
 def test_cost_model_picks_column_blocks_for_a_tall_fsdp_matrix():
     """FSDP2 at 4 ranks: a 4096×16 matrix is cheaper orthogonalized on the ranks' row blocks
     (Gram side 16, nothing gathered) than gathered; a 32×32 one goes through the owner exchange."""
-    init = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate([(4096, 16), (32, 32)])]
+    init = [torch.randn(shape, generator=torch.Generator().manual_seed(i))
+            for i, shape in enumerate([(4096, 16), (32, 32)])]
     ref_params = [nn.Parameter(t.clone()) for t in init]
     opt = dmuon.Muon([{"params": ref_params, "algorithm": "muon"}], **HPARAMS)
     for p, t in zip(ref_params, init):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.harness import run_on_ranks
-from tests.helpers import single_process, train_llama as train
+from tests.helpers import single_process
+from tests.helpers import train_llama as train
 
 
 @pytest.fixture(scope="module")

@@ -134,7 +134,8 @@ def test_hf_trainer_routes_steps_and_resumes(tmp_path):
     assert isinstance(optimizer, dmuon.Muon)
     assert_routed(optimizer, "model.embed_tokens.weight", "lm_head.weight")
     decay = {name: group["weight_decay"] for group in optimizer.param_groups for name in group["param_names"]}
-    assert decay["model.norm.weight"] == 0.0 and decay["lm_head.weight"] == decay["model.layers.0.mlp.up_proj.weight"] == 0.1
+    assert decay["model.norm.weight"] == 0.0
+    assert decay["lm_head.weight"] == decay["model.layers.0.mlp.up_proj.weight"] == 0.1
     trained = params_of(full.model)
     assert all(not torch.equal(initial[name], trained[name]) for name in trained)
 

@@ -71,8 +71,8 @@ def test_tiny_run_writes_json(tmp_path):
 
 def test_bf16_wire_configuration_sends_half_the_bytes_of_the_exact_one(tmp_path):
     out = tmp_path / "bench.json"
-    assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--memory-steps", "0", "--max-seconds", "0",
-                 "--configs", "fsdp-dmuon,fsdp-dmuon-bf16wire", "--json", str(out)]) == 0
+    assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--memory-steps", "0",
+                 "--max-seconds", "0", "--configs", "fsdp-dmuon,fsdp-dmuon-bf16wire", "--json", str(out)]) == 0
     exact, bf16 = json.loads(out.read_text())
     assert bf16["config"] == "fsdp-dmuon-bf16wire"
     # fp32 parameters: two bytes an element on the wire instead of four, plus the agreement's few bytes

@@ -9,8 +9,8 @@ fail the test if reached: spawning ranks (``bench``), training (``demo``), measu
 
 from __future__ import annotations
 
-import io
 import dataclasses
+import io
 import json
 
 import pytest

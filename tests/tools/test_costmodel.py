@@ -13,15 +13,32 @@ import torch
 from dmuon.orthogonalization import newton_schulz_flops, resolve_config
 from dmuon.tools.cli import main
 from dmuon.tools.costmodel import (
-    Workload, build_plan, config_from_hf, data_parallel_collectives, forward_backward_flops,
-    load_model_config, measured_mfu, memory_seconds, muon_params, normalize_bytes, ns_seconds,
+    Workload,
+    build_plan,
+    config_from_hf,
+    data_parallel_collectives,
+    forward_backward_flops,
+    load_model_config,
+    measured_mfu,
+    memory_seconds,
+    muon_params,
+    normalize_bytes,
+    ns_seconds,
 )
 from dmuon.tools.hardware import (
-    PROFILES, OtherJobsCpu, get_profile, measure_cpu_profile, measure_one_rank_seconds,
+    PROFILES,
+    OtherJobsCpu,
+    get_profile,
+    measure_cpu_profile,
+    measure_one_rank_seconds,
 )
 from dmuon.tools.models import get_config, matrix_shapes, param_count
 from dmuon.tools.simulate import (
-    bucket_costs, measured_elementwise_efficiency, predict, simulate_optimizer_step, total_traffic,
+    bucket_costs,
+    measured_elementwise_efficiency,
+    predict,
+    simulate_optimizer_step,
+    total_traffic,
 )
 
 H100 = PROFILES["h100"]

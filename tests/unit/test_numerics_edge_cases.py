@@ -196,8 +196,8 @@ def blas_products_stack_bitwise(shape: tuple[int, int], dtype: torch.dtype, batc
     alone (a stack of one) for the products Newton–Schulz makes on ``shape`` (short side first).
     MKL on AMD EPYC does not for some skinny shapes, even at one thread (9×130: the 9×9 by 9×130
     product); on a Xeon it did for all of STACK_SHAPES."""
-    s, l = sorted(shape)
-    X = torch.randn(batch, s, l, generator=torch.Generator().manual_seed(1)).to(dtype)
+    short, long = sorted(shape)
+    X = torch.randn(batch, short, long, generator=torch.Generator().manual_seed(1)).to(dtype)
     A = torch.bmm(X, X.mT)
 
     def products(x: torch.Tensor, a: torch.Tensor) -> list[torch.Tensor]:

@@ -98,7 +98,8 @@ def dmuon_imports(path: Path) -> set[str]:
 
 def test_every_import_follows_the_documented_layers():
     layers = documented_layers()
-    files = [p for p in (ROOT / "dmuon").rglob("*.py") if "tools" not in p.parts and p.stem not in ("__init__", "__main__")]
+    files = [p for p in (ROOT / "dmuon").rglob("*.py")
+             if "tools" not in p.parts and p.stem not in ("__init__", "__main__")]
     modules = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in files}
     assert sorted(modules) == sorted(layers), "docs/architecture.md's table must list every module of the product"
     broken = [f"{module} (row {layers[module]}) imports {imported} (row {layers[imported]})"

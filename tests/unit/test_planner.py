@@ -10,9 +10,9 @@ import time
 import pytest
 
 from dmuon.layout import Layout, chunk_sizes
-from dmuon.tools.models import get_config, matrix_shapes
 from dmuon.orthogonalization import newton_schulz_flops
 from dmuon.planner import DEFAULT_FLOPS_PER_BYTE, Unit, make_plan, owner_cost, split_replicas_is_cheaper
+from dmuon.tools.models import get_config, matrix_shapes
 
 
 def llama_units(preset: str, world: int, replicas: int = 1, layers: int | None = None) -> list[Unit]:
@@ -191,8 +191,8 @@ def test_early_start_buckets_follow_the_backward_pass_and_balance_each_bucket(wo
 
 def test_choose_makes_every_choice_in_order():
     """planner.choose: the options that turn choices off, and each choice where it pays."""
-    from dmuon.planner import MatrixOptions, choose, column_block_cost
     from dmuon.orthogonalization import resolve_config
+    from dmuon.planner import MatrixOptions, choose, column_block_cost
 
     def options(shapes, world, replicas=1, column_blocks=False):
         out = []

@@ -68,8 +68,8 @@ def interpreter_checks() -> None:
 def test_triton_kernel_under_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed; pip install triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", "from tests.unit.test_triton import interpreter_checks; interpreter_checks()"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    code = "from tests.unit.test_triton import interpreter_checks; interpreter_checks()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
