@@ -122,3 +122,27 @@ def test_training_traffic_by_the_ring_costs():
     assert training_traffic("ownerz2", 4, 100, 300, 200) == 0.75 * ((100 + 200) + 200) + 0.75 * 400
     assert training_traffic("ownerz3", 4, 100, 300, 200) == 0.75 * ((100 + 200) + 200) + 0.75 * 600
     assert training_traffic("ddp", 1, 100, 300, 0) == 0
+
+
+def test_the_default_configurations_depend_on_the_device(monkeypatch):
+    """On CPU the verdict's six (more could not settle in four minutes on two cores); on CUDA also
+    early start off (on by default there) and owner sharding; --configs always wins."""
+    import argparse
+
+    import torch
+
+    from dmuon.tools import bench
+
+    def parsed(*argv: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        bench.add_arguments(parser)
+        args = parser.parse_args(list(argv))
+        bench.check_arguments(args)
+        return args
+
+    assert parsed().configs == list(bench.CONFIGS) == ["ddp-adamw", "ddp-torch-muon", "fsdp-adamw",
+                                                       "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert parsed("--device", "cuda").configs == [*bench.CONFIGS, "fsdp-dmuon-atstep", "ownerz2-dmuon"]
+    assert parsed("--device", "cuda", "--configs", "fsdp-adamw,fsdp-dmuon-early").configs == [
+        "fsdp-adamw", "fsdp-dmuon-early"]

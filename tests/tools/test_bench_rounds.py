@@ -99,6 +99,29 @@ def test_ratios_are_medians_of_per_round_ratios_and_survive_a_load_change(fake_c
     assert max(len(line) for line in table.splitlines() if not line.startswith(("times:", "other"))) <= 100
 
 
+def test_a_round_keeps_its_least_step_so_a_spike_in_it_changes_nothing(fake_clock):
+    """Two steps a round: one of the dmuon configuration's steps in round 2 runs at three times
+    the load (another job, a page fault). The round keeps its least step, so the ratios stay
+    exact and the run settles; the median over all measured steps still shows the spike."""
+    trainers = _trainers(fake_clock, [])
+    dmuon = trainers["fsdp-dmuon"]
+    turns = []
+
+    def optimizer_step():
+        turns.append(None)
+        fake_clock.load = 3.0 if len(turns) == 4 else 1.0  # round 2's first step (after one warm-up)
+        fake_clock.advance(dmuon.opt_s)
+        fake_clock.load = 1.0
+
+    dmuon.optimizer_step = optimizer_step
+    results = list(summarize(run_rounds(trainers, warmup=1, steps=6, steps_per_round=2), 2).values())
+    result = next(r for r in results if r.config == "fsdp-dmuon")
+    assert result.round_opt_step_ms == pytest.approx((1000.0, 1000.0, 1000.0))
+    record = next(r for r in json_records(results, Load(0.0, 2)) if r["config"] == "fsdp-dmuon")
+    assert record["opt_step_vs_vanilla"] == pytest.approx(0.5) == record["opt_step_vs_vanilla_max"]
+    assert record["trustworthy"] is True
+
+
 def test_a_load_change_within_rounds_widens_the_interval_and_warns(fake_clock):
     """The load doubles for the dmuon configuration's turn in one round only: that round's ratio is
     off, the median is not, and the interval and the warning say the run was disturbed."""
