@@ -9,6 +9,7 @@ parameter, seen from this rank, the process groups and the byte counter.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -168,7 +169,7 @@ class OwnedLayer:
     def holds_version(self, version: int) -> bool:
         return self.state is not LayerState.RELEASED and self.version == version
 
-    def prefetch(self, version: int, before_sending=lambda: None) -> None:
+    def prefetch(self, version: int, before_sending: Callable[[], None] = lambda: None) -> None:
         """Start broadcasting the weights of ``version`` from their holders, unless they are
         here or on their way; ``before_sending`` runs first when they are not (the sharding
         starts HSDP's replica broadcasts there)."""
@@ -194,7 +195,7 @@ class OwnedLayer:
                 self._broadcasts.append(self.ownership.broadcast(members, holder, shard))
         self.state, self.version = LayerState.PREFETCHING, version
 
-    def materialize(self, version: int, before_sending=lambda: None) -> None:
+    def materialize(self, version: int, before_sending: Callable[[], None] = lambda: None) -> None:
         """The weights of ``version`` on this rank, now."""
         self.prefetch(version, before_sending)
         self._finish()
