@@ -232,6 +232,23 @@ def compare(results: list[BenchResult]) -> dict[str, dict[str, Ratio | float | N
     return out
 
 
+def peer_ratios(results: list[BenchResult]) -> dict[str, dict[str, Ratio]]:
+    """Per dmuon configuration: its optimizer step against each peer's of the same mode (``--peers``),
+    as the median of per-round ratios."""
+    from dmuon.tools.peers import PEERS
+
+    peers = [r for r in results if r.config.split("-", 1)[1] in PEERS]
+    out = {}
+    for r in results:
+        if "-dmuon" not in r.config:
+            continue
+        mode = _baseline_mode(r.config)
+        ratios = {peer.config: per_round_ratio(r.rounds("opt_step_ms"), peer.rounds("opt_step_ms"))
+                  for peer in peers if peer.config.startswith(f"{mode}-")}
+        out[r.config] = {name: ratio for name, ratio in ratios.items() if ratio is not None}
+    return out
+
+
 @dataclass(frozen=True)
 class Load:
     """What else ran on the machine during the timed rounds."""
@@ -285,7 +302,7 @@ def _mib(value: float | None) -> str:
 
 def json_records(results: list[BenchResult], load: Load | None = None) -> list[dict]:
     """The ``--json`` records: the measurements, the ratios with their per-round range, the warnings."""
-    comparisons, warnings = compare(results), run_warnings(results, load)
+    comparisons, warnings, against_peers = compare(results), run_warnings(results, load), peer_ratios(results)
     records = []
     for r in results:
         record = asdict(r)
@@ -298,6 +315,9 @@ def json_records(results: list[BenchResult], load: Load | None = None) -> list[d
             else:
                 record.update({what: ratio} if what == "mem_vs_adamw" else
                               {what: None, f"{what}_min": None, f"{what}_max": None, f"{what}_halfwidth": None})
+        record["opt_step_vs_peer"] = {
+            peer: {"median": ratio.median, "min": ratio.low, "max": ratio.high, "halfwidth": ratio.halfwidth}
+            for peer, ratio in against_peers.get(r.config, {}).items()}
         record["other_jobs_cores"] = load.other_cores if load else None
         record["warnings"] = warnings
         record["trustworthy"] = not warnings
@@ -595,8 +615,9 @@ def _cell(ratio: Ratio | float | None, text=Ratio.text) -> str:
 def verdict(results: list[BenchResult], about: str = "") -> list[str]:
     """The lines a reader acts on, first (within 100 columns): per dmuon configuration its step
     against AdamW's (and the overhead in percent) and its optimizer step against vanilla Muon's,
-    each with its interval; then whether the ratios settled."""
-    comparisons = compare(results)
+    each with its interval, and its optimizer step against each peer's of its mode (``--peers``);
+    then whether the ratios settled."""
+    comparisons, against_peers = compare(results), peer_ratios(results)
     rounds = max((len(r.rounds("step_ms")) for r in results), default=0)
     lines = ["dmuon bench verdict" + (f" ({about})" if about else "")]
     for r in results:
@@ -612,16 +633,21 @@ def verdict(results: list[BenchResult], about: str = "") -> list[str]:
         if parts:
             lines.append(f"  {r.config:<18} step " + "; ".join(parts)
                          + ("; Newton-Schulz begun in the backward pass" if r.config.endswith("-early") else ""))
+        for peer, ratio in against_peers.get(r.config, {}).items():
+            lines.append(f"  {r.config:<18} optimizer step {ratio.median:.2f}x {peer}'s"
+                         + (f" (±{ratio.halfwidth:.0%})" if ratio.halfwidth is not None else ""))
     left = unsettled(results)
-    if len(lines) == 1:
-        lines.append("  no AdamW or vanilla Muon of the same mode in this run: no ratios (see the table)")
+    if not any(isinstance(comparisons[name][what], Ratio) for name, what in headline(results)):
+        lines.append("  no AdamW or vanilla Muon of the same mode in this run: no step ratios to settle (see the "
+                     "table)")
     elif rounds < 2:
         lines.append("  one round: no interval (use --steps 4 or more)")
     elif left:
         lines.append(f"  NOT settled after {rounds} rounds, the time budget spent (--max-seconds): "
                      f"{', '.join(left)} not within ±{SETTLE_LIMIT:.0%}")
     else:
-        lines.append(f"  settled: every ratio above within ±{SETTLE_LIMIT:.0%} (95 % interval) after {rounds} rounds")
+        lines.append(f"  settled: every step ratio above within ±{SETTLE_LIMIT:.0%} (95 % interval) after {rounds} "
+                     "rounds")
     return [wrapped for line in lines for wrapped in textwrap.wrap(line, 100, subsequent_indent="    ")]
 
 

@@ -86,14 +86,21 @@ class PeerSpec:
     ``ns_coefficients`` the ``dmuon.newton_schulz`` schedule of the same polynomials.
     """
 
-    package: str  # PyPI distribution name
-    version: str  # the version the adapter was written and checked against
+    package: str  # distribution name
+    version: str  # the version (or commit) the adapter was written and checked against
     imports: tuple[str, ...]
     parallel: frozenset[str]
     factory: OptimizerFactory
     distributes: str
     newton_schulz: str
     ns_coefficients: str
+    repository: str | None = None  # a peer that is not on PyPI: where its source is
+
+    def install_command(self) -> str:
+        """The pip line that installs the version the adapter was checked against."""
+        if self.repository:
+            return f"pip install --no-deps git+{self.repository}@{self.version}"
+        return f"pip install --no-deps {self.package}=={self.version}"
 
     def import_error(self) -> str | None:
         """Why the peer cannot be used right now (``"ModuleNotFoundError: ..."``), or None."""
@@ -314,6 +321,35 @@ def heavyball_muon(model: Llama, lr: float, weight_decay: float) -> list[torch.o
     return [muon, _adamw(others, lr, weight_decay)]
 
 
+def dion_muon(model: Llama, lr: float, weight_decay: float) -> list[torch.optim.Optimizer]:
+    """``dion.Muon`` from Microsoft's Dion (its public repository; not on PyPI).
+
+    Same-shape matrices form one batch ("megabatch"): every rank sends its Shard(0) rows (FSDP2)
+    or its share of the batch (DDP) by all-to-all, each rank orthogonalizes the matrices it then
+    holds, and a second all-to-all sends the rows back. The momentum update, the Nesterov input
+    and the cast to bf16 before the all-to-all are one ``torch.compile``d function, and so are the
+    decay and the update after it; Newton–Schulz (``use_polar_express=False``: You Jiacheng's five
+    coefficients, normalized in bf16) is compiled too. Its momentum is the SGD form
+    ``M = mu*M + G``, proportional to torch's EMA form, so the direction is the same;
+    ``adjust_lr="rms_norm"`` is torch's ``match_rms_adamw`` (0.2 * sqrt(max(A, B))) and its
+    decay ``p *= 1 - lr * wd`` is torch's. The mesh is the parameters' own (FSDP2) or the
+    default process group (DDP).
+    """
+    import torch.distributed as dist
+    from dion import Muon as Dion
+    from torch.distributed.tensor import DTensor
+
+    matrices, others = _split(model)
+    sharded = [p for p in matrices if isinstance(p, DTensor)]
+    if sharded:
+        mesh = sharded[0].device_mesh
+    else:
+        mesh = dist.group.WORLD if dist.is_initialized() else None
+    muon = Dion(matrices, distributed_mesh=mesh, lr=lr, mu=0.95, weight_decay=weight_decay, nesterov=True,
+                adjust_lr="rms_norm", use_polar_express=False)
+    return [muon, _adamw(others, lr, weight_decay)]
+
+
 PEERS: dict[str, PeerSpec] = {
     "muon-optimizer": PeerSpec(
         package="muon-optimizer", version="0.1.0", imports=("muon:MuonWithAuxAdam",), parallel=frozenset({"ddp"}),
@@ -344,6 +380,14 @@ PEERS: dict[str, PeerSpec] = {
         package="heavyball", version="3.2.1", imports=("heavyball", "opt_einsum"), parallel=PARALLEL_MODES,
         factory=heavyball_muon, distributes="none: every rank all-gathers and orthogonalizes every matrix",
         newton_schulz="You Jiacheng's 5-step schedule, bf16 by stochastic rounding; schedule and steps fixed",
+        ns_coefficients="you",
+    ),
+    "dion": PeerSpec(
+        package="dion", version="0a059a4", repository="https://github.com/microsoft/dion", imports=("dion:Muon",),
+        parallel=PARALLEL_MODES, factory=dion_muon,
+        distributes="one all-to-all per shape batch: each rank orthogonalizes its share of the batch, in bf16 "
+                    "on the wire both ways",
+        newton_schulz="You Jiacheng's 5-step schedule (use_polar_express=False), bf16, normalized in bf16, compiled",
         ns_coefficients="you",
     ),
 }

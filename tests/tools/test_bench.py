@@ -62,7 +62,9 @@ def test_tiny_run_writes_json(tmp_path):
                                "step_vs_vanilla_halfwidth",
                                # added: the busiest rank's Newton–Schulz alone per round, over the opt step
                                "round_ns_alone_ms", "opt_step_efficiency", "opt_step_efficiency_min",
-                               "opt_step_efficiency_max"}
+                               "opt_step_efficiency_max",
+                               # added: the optimizer step against each peer's (--peers), by peer
+                               "opt_step_vs_peer"}
     assert records[0]["opt_step_efficiency"] is None and records[0]["round_ns_alone_ms"] == []
     assert all(r["opt_step_efficiency"] > 0 and len(r["round_ns_alone_ms"]) == 1 for r in records[1:])
     # one measured step is one round: no spread to judge the ratios by, and the run says so

@@ -94,7 +94,7 @@ def test_ratios_are_medians_of_per_round_ratios_and_survive_a_load_change(fake_c
     table = format_table(results, Load(0.0, 2))
     assert "0.50 ±0%" in next(line for line in table.splitlines() if line.startswith("fsdp-dmuon"))
     assert "WARNING" not in table and "step 1.82x AdamW (+82% ±0%); 0.67x vanilla Muon (-33% ±0%)" in table
-    assert "settled: every ratio above within ±10%" in table
+    assert "settled: every step ratio above within ±10%" in table
     assert table.splitlines()[0].startswith("dmuon bench verdict")  # the verdict comes first
     assert max(len(line) for line in table.splitlines() if not line.startswith(("times:", "other"))) <= 100
 
@@ -314,5 +314,24 @@ def test_the_verdict_states_the_model_and_the_tokens_per_step():
 def test_a_run_without_baselines_says_it_has_no_ratios():
     alone = BenchResult("fsdp-dmuon", 2, 50.0, 150.0, None, None, 0, 4.0, (50.0, 50.0), (150.0, 150.0))
     table = format_table([alone], Load(0.0, 2))
-    assert "no AdamW or vanilla Muon of the same mode in this run: no ratios" in table
+    assert "no AdamW or vanilla Muon of the same mode in this run: no step ratios to settle" in table
     assert "settled" not in table and "WARNING" not in table
+
+
+def test_the_verdict_sets_dmuon_beside_each_peer_of_its_mode():
+    """With ``--peers``, each dmuon configuration's optimizer step is set against every peer's of the
+    same data-parallel mode, round by round (the peer's time here: 2x dmuon's in one round, 4x in
+    the other), in the verdict and the JSON; a peer of the other mode is not compared."""
+    adamw = BenchResult("fsdp-adamw", 2, 1.0, 100.0, None, None, 0, 5.0, (1.0, 1.0), (100.0, 100.0))
+    dmuon = BenchResult("fsdp-dmuon", 2, 50.0, 150.0, None, None, 0, 4.0, (40.0, 60.0), (150.0, 150.0))
+    peer = BenchResult("fsdp-dion", 2, 100.0, 200.0, None, None, 0, 4.0, (80.0, 240.0), (180.0, 220.0))
+    ddp_peer = BenchResult("ddp-dion", 2, 100.0, 200.0, None, None, 0, 4.0, (10.0, 10.0), (180.0, 220.0))
+    results = [adamw, dmuon, peer, ddp_peer]
+    ratio = bench.peer_ratios(results)["fsdp-dmuon"]["fsdp-dion"]
+    assert set(bench.peer_ratios(results)["fsdp-dmuon"]) == {"fsdp-dion"}
+    assert (ratio.low, ratio.high) == (0.25, 0.5) and ratio.median == pytest.approx(0.375)
+    lines = "\n".join(bench.verdict(results))
+    assert "fsdp-dmuon         optimizer step 0.38x fsdp-dion's (±" in lines
+    assert "settled: every step ratio above" in lines  # the peer's ratio is shown, not judged
+    record = next(r for r in json_records(results, Load(0.0, 2)) if r["config"] == "fsdp-dmuon")
+    assert record["opt_step_vs_peer"]["fsdp-dion"]["median"] == pytest.approx(0.375)
