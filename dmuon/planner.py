@@ -56,22 +56,37 @@ class Unit:
     count: int  # matrices in the parameter
     m: int
     n: int
-    itemsize: int  # bytes per element on the wire
+    itemsize: int  # bytes per element on the wire to the owner
     flops: int  # Newton–Schulz FLOPs for all its matrices
+    return_itemsize: int | None = None  # bytes per element of the update on its way back (None: itemsize)
 
-    def chunk_bytes(self, position: int) -> int:
-        """Bytes of this unit held by the rank at ``position`` of the exchange group."""
+    @property
+    def back_itemsize(self) -> int:
+        """Bytes per element of the update on its way back from the owner."""
+        return self.return_itemsize or self.itemsize
+
+    def _itemsize(self, returned: bool) -> int:
+        return self.back_itemsize if returned else self.itemsize
+
+    def chunk_bytes(self, position: int, *, returned: bool = False) -> int:
+        """Bytes of this unit held by the rank at ``position`` of the exchange group (of its
+        update on the way back, with ``returned``)."""
         shard = position % self.layout.shards
-        return self.layout.chunk_rows(shard) * self.layout.row_numel * self.itemsize
+        return self.layout.chunk_rows(shard) * self.layout.row_numel * self._itemsize(returned)
 
-    def chunk_bytes_by_position(self) -> torch.Tensor:
+    def chunk_bytes_by_position(self, *, returned: bool = False) -> torch.Tensor:
         """:meth:`chunk_bytes` of every position, as an int64 vector."""
         per_shard = torch.tensor(chunk_sizes(self.layout.shape[0], self.layout.shards), dtype=torch.int64)
-        return (per_shard * self.layout.row_numel * self.itemsize).repeat(self.layout.replicas)
+        return (per_shard * self.layout.row_numel * self._itemsize(returned)).repeat(self.layout.replicas)
 
     @property
     def total_bytes(self) -> int:
         return self.count * self.m * self.n * self.itemsize
+
+    @property
+    def round_trip_bytes(self) -> int:
+        """Bytes of the whole unit to its owner and of its update back."""
+        return self.count * self.m * self.n * (self.itemsize + self.back_itemsize)
 
 
 @dataclass(frozen=True)
@@ -120,16 +135,16 @@ class Plan:
         received = torch.zeros(self.size, dtype=torch.int64)
         cross = torch.zeros(self.size, dtype=torch.int64)  # only returns cross replicas
         for u, (unit, owner) in enumerate(zip(self.units, self.owners)):
-            chunk = unit.chunk_bytes_by_position()
-            own = int(chunk[owner])
+            chunk, back = unit.chunk_bytes_by_position(), unit.chunk_bytes_by_position(returned=True)
+            own, own_back = int(chunk[owner]), int(back[owner])
             block = slice(self.replica_block(u).start, self.replica_block(u).stop)
             sent[block] += chunk[block]
             sent[owner] -= own
             received[owner] += int(chunk[block].sum()) - own
-            received += chunk
-            received[owner] -= own
-            sent[owner] += int(chunk.sum()) - own
-            outside = chunk.clone()
+            received += back
+            received[owner] -= own_back
+            sent[owner] += int(back.sum()) - own_back
+            outside = back.clone()
             outside[block] = 0
             cross += outside
             cross[owner] += int(outside.sum())
@@ -184,7 +199,7 @@ class Plan:
 
 def owner_cost(unit: Unit, size: int, flops_per_byte: float) -> float:
     """Time-equivalent (in FLOPs) of owning ``unit``: NS plus the bytes the owner moves."""
-    moved = 2 * unit.total_bytes * (size - 1) / size if size > 1 else 0
+    moved = unit.round_trip_bytes * (size - 1) / size if size > 1 else 0
     return unit.flops + flops_per_byte * moved
 
 
@@ -383,7 +398,7 @@ def gang_member_cost(unit: Unit, config: NSConfig, k: int, flops_per_byte: float
     gram_bytes = 4 * unit.count * short**2
     return (distributed_cost(gang_member_flops(unit, config, k), gram_bytes, gram_all_reduces(config), k,
                              flops_per_byte)
-            + flops_per_byte * 2 * gang_slice_elements(unit, k) * unit.itemsize)
+            + flops_per_byte * gang_slice_elements(unit, k) * (unit.itemsize + unit.back_itemsize))
 
 
 def gang_costs(units: Sequence[Unit], configs: Sequence[NSConfig], flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE
@@ -423,11 +438,11 @@ def choose_gangs(units: Sequence[Unit], member_cost: Callable[[int, int], float 
         loads = [0.0] * size
         for i, owner in zip(rest, owners):
             loads[owner] += owner_costs[i]
-        return max(loads) + flops_per_byte * 2 * sum(-(-units[i].total_bytes // shards) for i in rest)
+        return max(loads) + flops_per_byte * sum(-(-units[i].round_trip_bytes // shards) for i in rest)
 
     def makespan(split: Sequence[int], k: int) -> float:
         chosen = set(split)
-        moved = 2 * sum(-(-units[i].total_bytes // shards) for i in split)
+        moved = sum(-(-units[i].round_trip_bytes // shards) for i in split)
         return (owned_makespan([i for i in range(len(units)) if i not in chosen])
                 + max(member_cost(i, k) for i in split) + flops_per_byte * moved)
 

@@ -44,7 +44,7 @@ from dmuon.planner import (
     make_plan,
 )
 from dmuon.routing import block_rows, matrix_shape
-from dmuon.strategies.base import Block, MatrixWork, Strategy, unit_of, wire_dtype
+from dmuon.strategies.base import Block, MatrixWork, Strategy, return_dtype, unit_of, wire_dtype
 from dmuon.strategies.column_blocks import ColumnBlocks
 from dmuon.strategies.gangs import Gangs
 from dmuon.strategies.gathered import GatheredFallback
@@ -111,6 +111,9 @@ class StepPlanner:
         self.replica_split = options.replica_split
         self.distributed_ns = options.distributed_ns
         self.symmetric_products = options.symmetric_products
+        # compiled Newton–Schulz may fuse its last product with the cast to the parameter's dtype,
+        # leaving values its own dtype cannot hold: updates go back in the parameter's then
+        self.narrow_returns = not options.compile
         self.measured = measured  # with "auto": the faster kernel per shape, measured at construction
         self.flops_per_byte = flops_per_byte
         self.ready_order = False  # buckets in the backward pass's order (early start), not the cost order
@@ -143,7 +146,7 @@ class StepPlanner:
         per_replica = shared
         if self.replica_split is None and any(w.layout.replicas > 1 and w.layout.shards > 1 for w in shared):
             per_replica = [self._work(e, split_replicas=False) for e in entries]
-        options = [MatrixOptions(self._unit(s), self._unit(r), s.config, str(self._wire(s)),
+        options = [MatrixOptions(self._unit(s), self._unit(r), s.config, self._wire(s),
                                  self._column_block_cost(e, r), self._splittable(s))
                    for e, s, r in zip(entries, shared, per_replica)]
         choices = choose(options, replica_split=self.replica_split, distributed_ns=self.distributed_ns,
@@ -169,16 +172,19 @@ class StepPlanner:
         """One unfused 2-D matrix with a process group: a gang could split it."""
         return work.process_group is not None and not work.blocks and work.count == 1 and len(work.layout.shape) == 2
 
-    def _wire(self, work: MatrixWork) -> torch.dtype:
-        return wire_dtype(work, self.comm_dtype)
+    def _wire(self, work: MatrixWork) -> str:
+        """The dtypes ``work`` crosses the network in, to its owner and (where it differs) back:
+        works of one exchange group share them."""
+        there, back = wire_dtype(work, self.comm_dtype), return_dtype(work, self.comm_dtype)
+        return str(there) if back == there else f"{there}>{back}"
 
     def _unit(self, work: MatrixWork) -> Unit:
-        return unit_of(work, torch.empty(0, dtype=self._wire(work)).element_size())
+        return unit_of(work, wire_dtype(work, self.comm_dtype).itemsize, return_dtype(work, self.comm_dtype).itemsize)
 
     # ------------------------------------------------------------------ exchange groups and strategies
 
     def _exchange_groups(self, works: Sequence[MatrixWork]) -> list[list[int]]:
-        return exchange_groups([w.layout for w in works], [str(self._wire(w)) for w in works])
+        return exchange_groups([w.layout for w in works], [self._wire(w) for w in works])
 
     @staticmethod
     def _planned(work: MatrixWork) -> bool:
@@ -259,5 +265,9 @@ class StepPlanner:
             part = partial(piece_of, mesh=p.device_mesh, placements=p.placements)
         local_shape = tuple(piece.mT.shape if transpose else piece.shape)
         lr_scale = 1.0 if blocks else adjusted_lr_ratio(group["adjust_lr_fn"], rows_of_p, cols_of_p)
+        # Newton–Schulz's last product rounds the update to its dtype; widened to the parameter's,
+        # it holds those values still, so narrowing it back for the return is exact (a fused
+        # block's scale would follow the cast, and bf16 → fp16 or back is no narrowing)
+        narrow_return = self.narrow_returns and not blocks and config.dtype.itemsize < piece.dtype.itemsize
         return MatrixWork(name, p, group, lr_scale, local_shape, piece.dtype, layout, GroupRef(process_group), count,
-                          m, n, config, blocks, whole, part, column_blocks)
+                          m, n, config, blocks, whole, part, column_blocks, narrow_return=narrow_return)

@@ -69,6 +69,10 @@ class MatrixWork:
     column_blocks: bool = False
     # split over a gang of positions of the exchange group (planner.choose_gangs); empty: not
     gang: tuple[int, ...] = ()
+    # the update is exactly in Newton–Schulz's dtype, narrower than the parameter's: its values
+    # are that dtype's widened, so the planned exchange sends it back in that dtype losing nothing
+    # (the step plan decides where: no fused-block scale after it, kernels that round every product)
+    narrow_return: bool = False
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -92,11 +96,21 @@ def wire_dtype(work: MatrixWork, comm_dtype: torch.dtype | None) -> torch.dtype:
     return comm_dtype or work.dtype
 
 
-def unit_of(work: MatrixWork, itemsize: int) -> Unit:
-    """The planner's view of a work: its shape, layout, bytes per element on the wire, FLOPs."""
+def return_dtype(work: MatrixWork, comm_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``work``'s update goes back from its owner in: ``comm_dtype``, or Newton–Schulz's
+    where that loses nothing (:attr:`MatrixWork.narrow_return`), or the parameter's."""
+    if comm_dtype is not None:
+        return comm_dtype
+    return work.config.dtype if work.narrow_return else work.dtype
+
+
+def unit_of(work: MatrixWork, itemsize: int, return_itemsize: int | None = None) -> Unit:
+    """The planner's view of a work: its shape, layout, bytes per element on the wire (to the
+    owner, and back if that differs), FLOPs."""
     per_matrix = sum(newton_schulz_flops(rows, work.n, steps=c.steps, method=c.method, restarts=c.restarts)
                      for rows, c in work.row_blocks)
-    return Unit(work.name, work.layout, work.count, work.m, work.n, itemsize, work.count * per_matrix)
+    return Unit(work.name, work.layout, work.count, work.m, work.n, itemsize, work.count * per_matrix,
+                return_itemsize if return_itemsize != itemsize else None)
 
 
 class StepIO(Protocol):
@@ -194,7 +208,7 @@ class Timed:
 @dataclass
 class Context:
     """What a strategy uses while it runs: the Newton–Schulz function (plain, compiled or
-    graphed), the wire dtype, and this step's byte counter and statistics."""
+    graphed), the wire dtypes, and this step's byte counter and statistics."""
 
     orthogonalize: Callable[[Tensor, NSConfig], Tensor]
     comm_dtype: torch.dtype | None
@@ -203,6 +217,9 @@ class Context:
 
     def wire_dtype(self, work: MatrixWork) -> torch.dtype:
         return wire_dtype(work, self.comm_dtype)
+
+    def return_dtype(self, work: MatrixWork) -> torch.dtype:
+        return return_dtype(work, self.comm_dtype)
 
     def orthogonalize_whole(self, inputs: dict[int, Tensor | list[Tensor]], works: Sequence[MatrixWork],
                             batches: Sequence[Batch], flops: int) -> dict[int, Tensor]:

@@ -167,7 +167,7 @@ class Gangs:
                             sends[p].append(sl.update_piece(updates[i], p, j))
                 else:
                     shapes[member].append(sl.piece_shape(me, j))
-        dtype = ctx.wire_dtype(works[0])
+        dtype = ctx.return_dtype(works[0])
         received = [iter(p) for p in
                     start_all_to_all(sends, shapes, works[0].process_group, me, dtype, ctx.counter, self.device).wait()]
         mine = []

@@ -221,8 +221,10 @@ class PlannedExchange:
             layout = self.plan.units[u].layout
             for p, shard in targets:
                 sends[p].append(rows_of(owned[u], layout, shard))
+        # the update's own dtype where narrower than the wire's (MatrixWork.narrow_return): exact
+        back = ctx.return_dtype(self.works[bucket.units[0]])
         return start_all_to_all(sends, [list(s) for s in bucket.return_shapes], self.process_group, self.me,
-                                self._dtype(k, ctx), ctx.counter, self.device)
+                                back, ctx.counter, self.device)
 
     def _finish_return(self, k: int, pending: PendingExchange | None, owned: dict[int, Tensor], io: StepIO) -> None:
         received = [iter(pieces) for pieces in pending.wait()] if pending is not None else None

@@ -20,10 +20,12 @@ on by default there) and ``ownerz2-dmuon``. On CPU the rest are on request (``--
 more configurations the default run cannot settle its ratios in four minutes on two cores.
 
 With ``--peers``, every other distributed Muon implementation that is installed (``pip install
-'dmuon[peers]'``; see :mod:`dmuon.tools.peers`) joins as ``<ddp|fsdp>-<package>`` for the modes it
-supports; the ones that are not installed are listed with the reason. ``--ns-coefficients keller``
-gives dmuon the Newton–Schulz polynomials of torch.optim.Muon and four of the peers (the same
-cost as its default Polar Express); ``--comm-dtype bf16`` rounds dmuon's wire to bf16.
+'dmuon[peers]'``, and Dion from its repository; see :mod:`dmuon.tools.peers`) joins as
+``<ddp|fsdp>-<package>`` for the modes it supports; the ones that are not installed are listed
+with the reason. Each dmuon configuration's optimizer step is then set beside every peer's of
+its mode in the verdict. ``--ns-coefficients keller`` gives dmuon the Newton–Schulz polynomials
+of torch.optim.Muon and four of the peers, ``you`` those of the other two (the same cost as its
+default Polar Express); ``--comm-dtype bf16`` rounds dmuon's wire to bf16.
 
 The model is the ``bench`` preset where bf16 products are native (CUDA; CPUs with AVX512-BF16 or
 AMX) and the ``demo`` preset elsewhere (``--preset auto``): torch.optim.Muon always runs its
@@ -863,7 +865,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{','.join(CUDA_CONFIGS[len(CONFIGS):])})")
     parser.add_argument("--ns-coefficients", choices=NAMED_COEFFICIENTS, default="polar_express",
                         help="dmuon.Muon's Newton–Schulz coefficients; keller is what torch.optim.Muon and four of "
-                             "the five peers run (same cost: 5 quintic steps in bf16) (default: %(default)s)")
+                             "the six peers run, you what heavyball and dion run (same cost: 5 quintic steps in "
+                             "bf16) (default: %(default)s)")
     parser.add_argument("--comm-dtype", choices=sorted(COMM_DTYPES), default="exact",
                         help="dmuon.Muon's wire dtype: exact (each tensor's own; results bitwise as one process's) "
                              "or bf16 (half the bytes of fp32, rounded) (default: %(default)s)")

@@ -233,7 +233,11 @@ def _units(workload: Workload) -> tuple[list[Unit], list[NSConfig]]:
     for name, m, n in matrix_shapes(workload.config):
         config = ns_config(m, n, workload.profile.device_type)
         flops = newton_schulz_flops(m, n, steps=config.steps, method=config.method, restarts=config.restarts)
-        units.append(Unit(name, workload.layout((m, n)), 1, m, n, workload.wire_itemsize, flops))
+        # the update goes back in Newton–Schulz's dtype where that is narrower (exact: dmuon's
+        # MatrixWork.narrow_return), a bf16 wire stays bf16
+        back = min(workload.wire_itemsize, config.dtype.itemsize)
+        units.append(Unit(name, workload.layout((m, n)), 1, m, n, workload.wire_itemsize, flops,
+                          back if back != workload.wire_itemsize else None))
         configs.append(config)
     return units, configs
 

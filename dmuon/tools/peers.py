@@ -12,7 +12,10 @@ already has torch with ``--no-deps`` (their metadata says plain ``torch``, and p
 given a chance to replace a CPU or CUDA build), then add the light dependencies by hand::
 
     pip install --no-deps muon-optimizer==0.1.0 muon-fsdp2==0.3.0 muonium==0.2.0 dtensor-muon==0.1.0 heavyball==3.2.1
-    pip install opt-einsum triton      # heavyball needs opt-einsum; muonium and dtensor-muon import triton
+    pip install opt-einsum triton      # heavyball needs opt-einsum; muonium, dtensor-muon and dion import triton
+    pip install --no-deps git+https://github.com/microsoft/dion@0a059a4   # Dion: not on PyPI
+
+(or put a checkout of Dion's repository on ``PYTHONPATH``).
 
 Hyperparameters: every factory maps ``(lr, weight_decay)`` onto the peer's own knobs so that,
 up to the peer's numerics, its step is the step of ``torch.optim.Muon(adjust_lr_fn=
@@ -33,6 +36,9 @@ What each one does with the orthogonalization on several ranks (checked on 2 glo
   earlier release of muonium 0.2.0 (same code base, renamed).
 - heavyball (DDP and FSDP2): no split; a single-device optimizer that all-gathers DTensor
   update, gradient and parameter and orthogonalizes every matrix on every rank.
+- dion (DDP and FSDP2; Microsoft's Dion, from its repository): same-shape matrices form one
+  batch, split over the ranks by all-to-all in bf16 (Shard(0) rows under FSDP2, the batch under
+  DDP); each rank orthogonalizes its share and a second all-to-all sends the rows back.
 
 Newton–Schulz (``PeerSpec.newton_schulz``, read from their sources at the pinned versions;
 ``PeerSpec.ns_coefficients`` names dmuon's schedule of the same polynomials, which ``dmuon bench
@@ -44,13 +50,16 @@ update; they differ only in the coefficients, which do not change the cost:
   (3.4445, -4.775, 2.0315) at every step, bf16, normalized in bf16.
 - ``dmuon`` in the bench (``demo.dmuon_muon``, dmuon.Muon's defaults): the Polar Express
   schedule (safety 1.05), standard NS in bf16 on CPU, normalized in fp32.
-  ``--ns-coefficients keller`` makes it run what torch-muon and four of the peers run.
+  ``--ns-coefficients keller`` makes it run what torch-muon and four of the peers run,
+  ``you`` what heavyball and dion run.
 - muon-optimizer, muon-fsdp2: Keller's quintic, hard-coded (muon-fsdp2 takes ``ns_steps``;
   muon-optimizer's ``MuonWithAuxAdam`` always runs 5), bf16.
 - muonium, dtensor-muon: ``orthogonalization_strategy="newton_schulz"`` (set here) is Keller's
   quintic, bf16; their default ``"polar_express"`` is another Polar Express table (nanochat's:
   coefficients scaled for safety about 1.016, input norm times 1.02), not dmuon's, so Keller is
   the one setting they share with the others.
+- dion: ``use_polar_express=False`` (set here) is You Jiacheng's 5-step schedule, bf16,
+  normalized in bf16, ``torch.compile``d; its default is its own Polar Express table.
 - heavyball: You Jiacheng's 5-step schedule, hard-coded (``assert steps == 5``), on a copy
   rounded to bf16 *stochastically*; its ``zeroth_power_mode`` switch reaches square matrices
   only (every other shape takes that schedule), so it cannot be set to Keller's.

@@ -138,13 +138,15 @@ def node_of(workload: Workload) -> Tensor:
     return ranks // per_node if per_node is not None else torch.zeros_like(ranks)
 
 
-def chunk_vectors(plan: Plan) -> list[Tensor]:
-    """:meth:`Unit.chunk_bytes_by_position` of every unit, computed once per distinct layout."""
+def chunk_vectors(plan: Plan, *, returned: bool = False) -> list[Tensor]:
+    """:meth:`Unit.chunk_bytes_by_position` of every unit (of its update on the way back, with
+    ``returned``), computed once per distinct layout and item size."""
     cache: dict[tuple, Tensor] = {}
-    for u in plan.units:
-        if (u.layout, u.itemsize) not in cache:
-            cache[u.layout, u.itemsize] = u.chunk_bytes_by_position()
-    return [cache[u.layout, u.itemsize] for u in plan.units]
+    keys = [(u.layout, u.itemsize, u.return_itemsize) for u in plan.units]
+    for u, key in zip(plan.units, keys):
+        if key not in cache:
+            cache[key] = u.chunk_bytes_by_position(returned=returned)
+    return [cache[key] for key in keys]
 
 
 def _split(bytes_by_rank: Tensor, same_node: Tensor) -> tuple[Tensor, Tensor]:
@@ -160,7 +162,7 @@ def bucket_costs(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload) 
     """
     size, node = plan.size, node_of(workload)
     owner_mode = workload.mode == "owner"
-    chunks = chunk_vectors(plan)
+    chunks, backs = chunk_vectors(plan), chunk_vectors(plan, returned=True)
     costs = []
     for bucket in plan.buckets:
         gather, ret = Traffic.zeros(size), Traffic.zeros(size)
@@ -186,9 +188,11 @@ def bucket_costs(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload) 
             prep_bytes += elements * senders * (NESTEROV_BYTES + pack_bytes(unit.itemsize))
             others = torch.ones(size, dtype=torch.bool)
             others[owner] = False
-            ret.add_from_owner(chunk * others, owner, same)
+            ret.add_from_owner(backs[u] * others, owner, same)
             returned = (elements * others).sum()
-            owner_bytes[owner] += elements[owner] * NESTEROV_BYTES + returned * pack_bytes(unit.itemsize)
+            # packing the returns reads the update and writes it in the return's dtype
+            packed = (pack_bytes(unit.itemsize) + pack_bytes(unit.back_itemsize)) / 2
+            owner_bytes[owner] += elements[owner] * NESTEROV_BYTES + returned * packed
             apply_bytes += elements * APPLY_BYTES
         has_gather = not owner_mode and any(plan.units[u].layout.shards > 1 for u in bucket)
         has_return = not owner_mode and size > 1
@@ -325,8 +329,11 @@ def gang_phase_seconds(split: tuple[SplitUnit, ...], workload: Workload) -> floa
     bandwidth, latency = link(workload)
     shards = _row_shards(workload)
     rows = sum(-(-s.unit.total_bytes // shards) for s in gangs) if shards > 1 else 0
+    rows_back = sum(-(-s.unit.total_bytes * s.unit.back_itemsize // s.unit.itemsize // shards)
+                    for s in gangs) if shards > 1 else 0
     member_bytes = max(s.member_elements * s.unit.itemsize for s in gangs)
-    exchange = 2 * (latency + max(rows, member_bytes) / bandwidth)
+    member_back = max(s.member_elements * s.unit.back_itemsize for s in gangs)
+    exchange = 2 * latency + (max(rows, member_bytes) + max(rows_back, member_back)) / bandwidth
     return (_local_elementwise_seconds(gangs, workload) + max(_distributed_ns_seconds(s, workload) for s in gangs)
             + exchange)
 
@@ -455,7 +462,7 @@ def predict(workload: Workload, model: str = "") -> Prediction:
     for s in split:
         if not s.column_blocks:  # a rank's rows out to the gang; a member's slice out to every other rank
             sent += -(-s.unit.total_bytes // shards) if shards > 1 else 0
-            sent[list(s.gang)] += s.member_elements * s.unit.itemsize * (size - 1) / size
+            sent[list(s.gang)] += s.member_elements * s.unit.back_itemsize * (size - 1) / size
         flops[list(s.gang)] += s.member_flops
     units = [*plan.units, *(s.unit for s in split)]
     all_configs = [*configs, *(s.config for s in split)]

@@ -38,13 +38,15 @@ SHAPES = [(64, 32), (32, 96), (48, 48), (7, 5), (3, 16), (3, 8, 12), (16, 96), (
 HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, ns_method="standard", ns_dtype=torch.float32)
 
 
-def step_parity(layout: str, shapes, steps: int, replica_split, comm_dtype=None, seed: int = 0) -> dict:
+def step_parity(layout: str, shapes, steps: int, replica_split, comm_dtype=None, seed: int = 0,
+                ns_dtype: torch.dtype = torch.float32) -> dict:
     world = dist.get_world_size()
     mesh, placements = placements_for(layout, world)
     params, ref_params = params_and_reference(full_tensors(shapes, seed), mesh, placements)
+    hparams = {**HPARAMS, "ns_dtype": ns_dtype}
     opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names_for(params)}],
-                     replica_split=replica_split, comm_dtype=comm_dtype, **HPARAMS)
-    ref = ReferenceMuon(ref_params, **HPARAMS)
+                     replica_split=replica_split, comm_dtype=comm_dtype, **hparams)
+    ref = ReferenceMuon(ref_params, **hparams)
     stats = []
     for step in range(steps):
         step_with_reference(opt, ref, params, ref_params, full_tensors(shapes, seed=100 + step), mesh, placements)
@@ -101,6 +103,20 @@ def test_step_is_bitwise_equal_to_single_process(layout, world):
         assert all(m == r["planned_matrices"] for m in r["matrices"])
         # bytes on the wire: the plan's prediction plus the flag all-reduce, exactly
         assert all(b == r["planned_bytes"] + agreed_flag_bytes(world) for b in r["bytes_sent"])
+
+
+@pytest.mark.parametrize("layout,world", [("ddp", 2), ("ddp", 3), ("fsdp", 2), ("fsdp", 3), ("hsdp", 4)])
+def test_updates_go_back_in_the_narrower_newton_schulz_dtype_losing_nothing(layout, world):
+    """fp32 parameters, bf16 Newton–Schulz: the owners send the updates back in bf16 (they are bf16
+    values), the gradients still go in fp32. The step stays bitwise the single process's, the
+    plan counts the bytes exactly, and they are fewer than with fp32 both ways (comm_dtype)."""
+    narrow = run_on_ranks(world, step_parity, layout, SHAPES, 2, None, None, 0, torch.bfloat16)
+    wide = run_on_ranks(world, step_parity, layout, SHAPES, 2, None, torch.float32, 0, torch.bfloat16)
+    for rank, (r, w) in enumerate(zip(narrow, wide)):
+        assert all(r["equal_momentum"]) and all(r["equal_params"]), (rank, r["close_params"])
+        assert all(w["equal_params"]), (rank, w["close_params"])
+        assert all(b == r["planned_bytes"] + agreed_flag_bytes(world) for b in r["bytes_sent"])
+    assert sum(r["planned_bytes"] for r in narrow) < sum(w["planned_bytes"] for w in wide)
 
 
 @pytest.mark.parametrize("world,replica_split", [(2, True), (2, False), (4, True), (4, False), (4, None)])
