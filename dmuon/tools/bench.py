@@ -868,8 +868,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the six peers run, you what heavyball and dion run (same cost: 5 quintic steps in "
                              "bf16) (default: %(default)s)")
     parser.add_argument("--comm-dtype", choices=sorted(COMM_DTYPES), default="exact",
-                        help="dmuon.Muon's wire dtype: exact (each tensor's own; results bitwise as one process's) "
-                             "or bf16 (half the bytes of fp32, rounded) (default: %(default)s)")
+                        help="dmuon.Muon's wire dtype: exact (each tensor's own to the owners, the updates back "
+                             "in Newton-Schulz's dtype where narrower; results bitwise as one process's) or bf16 "
+                             "(both ways, rounded) (default: %(default)s)")
     parser.add_argument("--peers", action="store_true",
                         help="add every installed peer implementation (pip install 'dmuon[peers]') (default: off)")
     parser.add_argument("--json", metavar="PATH", type=output_path,
