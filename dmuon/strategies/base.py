@@ -70,7 +70,7 @@ class MatrixWork:
     # split over a gang of positions of the exchange group (planner.choose_gangs); empty: not
     gang: tuple[int, ...] = ()
     # the update is exactly in Newton–Schulz's dtype, narrower than the parameter's: its values
-    # are that dtype's widened, so the planned exchange sends it back in that dtype losing nothing
+    # are that dtype's widened, so the exchanges (planned, gangs) send it back in that dtype, exactly
     # (the step plan decides where: no fused-block scale after it, kernels that round every product)
     narrow_return: bool = False
 
