@@ -110,7 +110,7 @@ def unit_of(work: MatrixWork, itemsize: int, return_itemsize: int | None = None)
     per_matrix = sum(newton_schulz_flops(rows, work.n, steps=c.steps, method=c.method, restarts=c.restarts)
                      for rows, c in work.row_blocks)
     return Unit(work.name, work.layout, work.count, work.m, work.n, itemsize, work.count * per_matrix,
-                return_itemsize if return_itemsize != itemsize else None)
+                return_itemsize)
 
 
 class StepIO(Protocol):

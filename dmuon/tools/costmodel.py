@@ -235,9 +235,8 @@ def _units(workload: Workload) -> tuple[list[Unit], list[NSConfig]]:
         flops = newton_schulz_flops(m, n, steps=config.steps, method=config.method, restarts=config.restarts)
         # the update goes back in Newton–Schulz's dtype where that is narrower (exact: dmuon's
         # MatrixWork.narrow_return), a bf16 wire stays bf16
-        back = min(workload.wire_itemsize, config.dtype.itemsize)
         units.append(Unit(name, workload.layout((m, n)), 1, m, n, workload.wire_itemsize, flops,
-                          back if back != workload.wire_itemsize else None))
+                          min(workload.wire_itemsize, config.dtype.itemsize)))
         configs.append(config)
     return units, configs
 

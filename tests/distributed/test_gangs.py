@@ -82,7 +82,7 @@ def init(i: int, shape: tuple[int, int], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed * 100 + i))
 
 
-def split_steps(case: str, parallel: str | None, steps: int = 2) -> dict:
+def split_steps(case: str, parallel: str | None, steps: int = 2, ns_dtype: torch.dtype = torch.float32) -> dict:
     """Two steps on a case's matrices: plain tensors (one process, or replicated as under DDP)
     or FSDP2 row shards."""
     torch.set_num_threads(1)
@@ -100,7 +100,8 @@ def split_steps(case: str, parallel: str | None, steps: int = 2) -> dict:
     names = [f"w{i}" for i in range(len(shapes))]
     # HSDP: replicas split the matrices, so an exchange group spans both replicas (2 × 2)
     split = {"replica_split": True} if parallel == "hsdp" else {}
-    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}], **HPARAMS, **split)
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}],
+                     **{**HPARAMS, "ns_dtype": ns_dtype}, **split)
     for step in range(steps):
         for i, (p, s) in enumerate(zip(params, shapes)):
             p.grad = place(init(i, s, step + 1))
@@ -171,3 +172,16 @@ def test_checkpoint_resume_with_gangs(tmp_path):
     for a, b in zip(straight, resumed):
         for got, expected in zip(b["params"], a["params"]):
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("parallel,case,world", [(None, "wide", 3), ("fsdp", "both", 4)])
+def test_gangs_send_bf16_updates_back_into_fp32_weights(parallel, case, world):
+    """bf16 Newton–Schulz, fp32 parameters: the members send their slices of the update back in
+    bf16 (exact: they are bf16 values). Every rank ends with the same bits, close to one process."""
+    reference = split_steps(case, None, ns_dtype=torch.bfloat16)
+    results = run_on_ranks(world, split_steps, case, parallel, 2, torch.bfloat16)
+    assert any(r["gangs"] for r in results)
+    for rank, r in enumerate(results):
+        for i, (got, expected, first) in enumerate(zip(r["params"], reference["params"], results[0]["params"])):
+            assert torch.equal(got, first), f"rank {rank} w{i} differs from rank 0"
+            torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3, msg=f"rank {rank} w{i}")
