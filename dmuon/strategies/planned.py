@@ -141,7 +141,10 @@ class PlannedExchange:
             yield 0
             gathers[0] = self._start_gather(0, io, ctx)
         for k in range(len(self.buckets)):
-            if k + 1 < len(self.buckets):
+            # the next bucket's gather goes out before this bucket's Newton–Schulz, to overlap it;
+            # with nothing to gather (replicated layouts) this bucket need not wait for the next
+            gather_ahead = k + 1 < len(self.buckets) and self.buckets[k + 1].gathers
+            if gather_ahead:
                 yield k + 1
                 gathers[k + 1] = self._start_gather(k + 1, io, ctx)
             owned = self._orthogonalize_owned(k, gathers.pop(k), io, ctx)
@@ -150,6 +153,9 @@ class PlannedExchange:
                 io.overlap()  # nothing left to compute here: the last returns would only be waited for
             if len(returns) > 1:
                 self._finish_return(*returns.pop(0), io)
+            if k + 1 < len(self.buckets) and not gather_ahead:
+                yield k + 1
+                gathers[k + 1] = None
         for pending in returns:
             self._finish_return(*pending, io)
 
