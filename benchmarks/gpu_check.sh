@@ -10,7 +10,8 @@
 #      without cuda_graphs (bitwise), and the host synchronizations of one step;
 #   5. early start: one process, AdamW vs dmuon with and without it, and early start's plan with
 #      its buckets begun in the backward pass vs all run at step() (bitwise), on the bench preset
-#      and on 4 layers of Llama-3.2-3B's shapes; FSDP2 on one GPU with and without it.
+#      and on 4 layers of Llama-3.2-3B's shapes; FSDP2 and DDP (dmuon's comm hook) on one GPU
+#      with and without it.
 # Usage: bash benchmarks/gpu_check.sh [OUTPUT_DIR]   (default: gpu_check_results/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,3 +74,5 @@ python benchmarks/early_start.py --device cuda --preset llama-3.2-3b --layers 4 
     --rounds 8 --json "$out/early_start_3b.json" 2>&1 | tee "$out/early_start_3b.txt"
 dmuon bench --device cuda --world-size 1 --preset bench --batch-size 16 --seq-len 512 --steps 6 --warmup 2 \
     --configs fsdp-adamw,fsdp-dmuon,fsdp-dmuon-atstep --max-seconds 0 2>&1 | tee "$out/early_start_fsdp.txt"
+dmuon bench --device cuda --world-size 1 --preset bench --batch-size 16 --seq-len 512 --steps 6 --warmup 2 \
+    --configs ddp-adamw,ddp-dmuon,ddp-dmuon-atstep --max-seconds 0 2>&1 | tee "$out/early_start_ddp.txt"

@@ -34,11 +34,22 @@ measured, and the held updates cost memory). It does not pay on small models who
 by kernel launches: pass ``early_start=False`` there. ``True`` forces it. The measurements behind
 these defaults are in BENCHMARKS.md, "Early start: Newton–Schulz in the backward pass".
 
-Where a parameter's gradient is not final when the hook runs (DDP: its all-reduce comes after;
-owner sharding: the owner's reduce comes after), or where the step plan has strategies that do
-not run in stages (gangs, gathered layouts, distributed Newton–Schulz), or with ``compile`` or
-``cuda_graphs``, the step runs as without early start; :attr:`EarlyStart.status` says why.
-On CUDA the early work runs on a stream of its own, so that it can overlap the backward pass.
+DDP: a parameter's gradient is final only once DDP's all-reduce of its bucket is done, after
+its post-accumulate-grad hook. ``Muon.register_ddp_comm_hook(model)`` registers dmuon's comm hook
+(:func:`reduce_ddp_bucket`): DDP's own reduction (scale by 1 / world size, one summing
+all-reduce: the same bits), which also hands each bucket to the run. A bucket is taken as final
+when DDP starts the next bucket's all-reduce (the hook waits for the one before), and the last
+at ``step()``. DDP's gradients are then in its bucket, copied into ``param.grad`` only at the
+end of the backward pass (unless ``gradient_as_bucket_view``), so ``step()`` checks that
+``param.grad`` has the bits the run read. Under ``no_sync`` DDP calls no hook, so gradient
+accumulation starts nothing before the last micro-batch. Without the comm hook, DDP's
+parameters run as without early start.
+
+Where a parameter's gradient is not final when the hook runs (owner sharding: the owner's reduce
+comes after), or where the step plan has strategies that do not run in stages (gangs, gathered
+layouts, distributed Newton–Schulz), or with ``compile`` or ``cuda_graphs``, the step runs as
+without early start; :attr:`EarlyStart.status` says why. On CUDA the early work runs on a stream
+of its own, so that it can overlap the backward pass.
 """
 
 from __future__ import annotations
@@ -47,9 +58,10 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -58,7 +70,7 @@ from dmuon.step_plan import StepPlan
 from dmuon.step_values import StepValues
 from dmuon.strategies.base import Context
 from dmuon.strategies.planned import PlannedExchange
-from dmuon.tensors import local
+from dmuon.tensors import local, same_bits
 
 # what each rank's run can be used for at step() (the ranks agree on the highest)
 USED, NOT_USED, CHANGED = 0, 1, 2
@@ -66,27 +78,37 @@ USED, NOT_USED, CHANGED = 0, 1, 2
 # (the indices of some works, their updates, their norms or None): held until step()
 Held = tuple[Sequence[int], list[Tensor], Tensor | None]
 
+# a DDP bucket being all-reduced: (its parameters, their gradients in it, the all-reduce's future)
+Reducing = tuple[list[Tensor], list[Tensor], torch.futures.Future]
+
 
 def wanted(setting: bool | None, device_type: str) -> bool:
     """Whether early start should run for parameters on ``device_type`` (None: where it pays)."""
     return setting if setting is not None else device_type == "cuda"
 
 
-def unsupported_because(plan: StepPlan, compiled: bool) -> str | None:
-    """Why early start cannot run ``plan`` (None: it can)."""
+def unsupported_because(plan: StepPlan, compiled: bool, ddp: DDPReduction | None = None,
+                        ddp_may_follow: bool = False) -> str | None:
+    """Why early start cannot run ``plan`` (None: it can); ``ddp``: the comm hook that tells when
+    DDP's all-reduce of a parameter's gradient is done, if one is registered; ``ddp_may_follow``:
+    replicated parameters pass, as that hook may still be registered (at construction)."""
     if compiled:
         return "compile or cuda_graphs: the compiled step runs as a whole"
     if len(plan.strategies) != 1 or not isinstance(plan.strategies[0], PlannedExchange):
         return "the plan has gangs, gathered layouts or distributed Newton-Schulz, which do not run in stages"
     for work in plan.works:
         p = work.param
+        if ddp is not None and id(p) in ddp.params:
+            continue  # final once DDP's all-reduce of its bucket is done: the comm hook says when
         if owned_by(p) is not None:
             return f"{work.name!r} is owner-sharded: its gradient is final only after the owner's reduce"
         if work.process_group is None:
             continue
         if not isinstance(p, DTensor):
-            return (f"{work.name!r} is replicated (DDP): its gradient is final only after DDP's all-reduce, "
-                    "which comes after the hook")
+            if ddp_may_follow:
+                continue
+            return (f"{work.name!r} is replicated (DDP): its gradient is final only after DDP's all-reduce; "
+                    "optimizer.register_ddp_comm_hook(ddp_model) tells early start when that is done")
         if work.layout.transposed or any(not isinstance(pl, (Shard, Replicate)) or (isinstance(pl, Shard) and pl.dim)
                                          for pl in p.placements):
             return f"{work.name!r} is sharded on its columns (row-wise tensor parallel)"
@@ -102,7 +124,10 @@ class EarlyValues(StepValues):
         super().__init__(plan, {}, None, {})
         self.state = state
         self.held: list[Held] = []
-        self.read: dict[int, tuple] = {}  # id(param) -> what the inputs were made of
+        self.read: dict[int, Read] = {}  # id(param) -> what the inputs were made of
+        # id(param) -> its final gradient where that is not param.grad yet: DDP's all-reduced
+        # bucket, which DDP copies into param.grad at the end of the backward pass
+        self.final_grads: dict[int, Tensor] = {}
 
     def inputs(self, indices: Sequence[int]) -> list[Tensor]:
         by_group: dict[int, tuple[dict[str, Any], list[Tensor]]] = {}
@@ -113,11 +138,12 @@ class EarlyValues(StepValues):
             bufs = [local(self.state[p]["momentum_buffer"]) for p in params]
             # a gradient that is missing here (the run is being finished at step()): zeros stand
             # in, and step() finds the missing gradient and does not use the run
-            grads = [local(p.grad) if p.grad is not None else torch.zeros_like(b) for p, b in zip(params, bufs)]
+            finals = [self.final_grads.get(id(p), p.grad) for p in params]
+            grads = [local(g) if g is not None else torch.zeros_like(b) for g, b in zip(finals, bufs)]
             moved = torch._foreach_lerp(bufs, grads, 1 - group["momentum"])  # the step's lerp_, out of place
-            for p, g, b, m in zip(params, grads, bufs, moved):
+            for p, final, g, b, m in zip(params, finals, grads, bufs, moved):
                 self.grads_and_buffers[id(p)] = (g, m)
-                self.read[id(p)] = read_mark(p, b, group)
+                self.read[id(p)] = Read(final, g._version if final is not None else None, buffer_mark(b, group))
         try:
             return super().inputs(indices)
         finally:
@@ -131,12 +157,18 @@ class EarlyValues(StepValues):
         pass  # AdamW runs at step()
 
 
-def read_mark(p: Tensor, buf: Tensor, group: dict[str, Any]) -> tuple[tuple, tuple]:
-    """What a Newton–Schulz input was made of: the gradient (object and version); and the
-    buffer (object and version) with the momentum options."""
-    grad = p.grad
-    return ((id(grad), local(grad)._version if grad is not None else None),
-            (id(buf), buf._version, group["momentum"], group["nesterov"]))
+class Read(NamedTuple):
+    """What a Newton–Schulz input was made of."""
+
+    grad: Tensor | None  # the gradient read (None: missing)
+    grad_version: int | None  # its version then
+    buffer: tuple  # the momentum buffer (object and version) and the momentum options
+
+
+def buffer_mark(buf: Tensor, group: dict[str, Any]) -> tuple:
+    return id(buf), buf._version, group["momentum"], group["nesterov"]
+
+
 
 
 class _Run:
@@ -156,6 +188,7 @@ class _Run:
         self.started = False
         self.next: int | None = 0 if self.waiting else None  # the bucket the run waits for
         self.repeated = False  # a gradient was final twice (a second backward pass)
+        self.reducing: Reducing | None = None  # DDP's bucket whose all-reduce was started last
 
     def ready(self, p: Tensor) -> None:
         """``p``'s gradient is final: start every bucket whose gradients all are, in order."""
@@ -168,9 +201,31 @@ class _Run:
         while self.next is not None and not self.waiting[self.next]:
             self._advance()
 
+    def reduced(self, bucket: Reducing) -> None:
+        """DDP started the all-reduce of ``bucket``: the one it started before is final once its
+        own all-reduce is done, and it goes on now, while this one is in flight."""
+        before, self.reducing = self.reducing, bucket
+        if before is not None:
+            self._ready_reduced(before)
+
+    def _ready_reduced(self, bucket: Reducing) -> None:
+        params, grads, done = bucket
+        if self.stream is None:
+            done.wait()
+        else:
+            with torch.cuda.stream(self.stream):  # the run's stream waits for the all-reduce, not the backward's
+                done.wait()
+        for p, g in zip(params, grads):
+            self.values.final_grads[id(p)] = g
+        for p in params:
+            self.ready(p)
+
     def finish(self) -> None:
         """Run what is left (at ``step()``): every rank issues the rest of its collectives."""
         begun = len(self.waiting) if self.next is None else self.next
+        if self.reducing is not None:  # DDP's last bucket: its all-reduce is done by now
+            self._ready_reduced(self.reducing)
+            self.reducing = None
         while self.next is not None:
             self._advance()
         if self.stream is not None:
@@ -191,26 +246,34 @@ class _Run:
             self.next = next(self.stages, None)
 
     def code(self, state: dict) -> int:
-        """Whether this rank can apply the held updates (:attr:`dmuon.agreement.Agreed.early`):
-        0 when the run read the gradients and buffers that are there now, unchanged, with the same
-        momentum options; 1 when a gradient is missing or the state changed (a loaded state dict,
-        a changed momentum); 2 when a gradient changed after it was read."""
+        """Whether this rank can apply the held updates (:attr:`dmuon.agreement.Agreed.early`),
+        once finished: 0 when the gradients and buffers it read are there now, unchanged, with the
+        same momentum options; 1 when a gradient is missing or the state changed (a loaded state
+        dict, a changed momentum); 2 when a gradient changed after it was read.
+
+        A gradient is unchanged when the tensor read is at the version read and ``param.grad`` is
+        that tensor, or (DDP without ``gradient_as_bucket_view``, which copies its reduced bucket
+        into ``param.grad`` at the end of the backward pass) has its bits."""
         if self.repeated:
             return CHANGED
         code = USED
+        copies = []  # (param.grad, the tensor read), to compare by their bits
         for work in self.plan.works:
             p = work.param
-            buf = state.get(p, {}).get("momentum_buffer")
             read = self.values.read.get(id(p))
-            if buf is None or p.grad is None or read is None:
+            if read is None:
+                continue  # not an input here (DDP: another rank owns it, and checks it)
+            buf = state.get(p, {}).get("momentum_buffer")
+            if buf is None or p.grad is None or read.grad is None:
                 code = max(code, NOT_USED)
                 continue
-            gradient, state_now = read_mark(p, local(buf), work.param_group)
-            if read[0] != gradient:
+            if local(read.grad)._version != read.grad_version:
                 return CHANGED
-            if read[1] != state_now:
+            if p.grad is not read.grad:
+                copies.append((local(p.grad), local(read.grad)))
+            if read.buffer != buffer_mark(local(buf), work.param_group):
                 code = max(code, NOT_USED)
-        return code
+        return code if same_bits(copies) else CHANGED
 
 
 class EarlyStart:
@@ -226,6 +289,7 @@ class EarlyStart:
         weakref.finalize(self, _remove, self._hooks)
         self._run: _Run | None = None
         self._stream: Any = None
+        self.ddp: DDPReduction | None = None  # the comm hook of a DDP model, once registered
 
     def arm(self, plan: StepPlan | None, state: dict, context: Context, start_step: Callable[[], None],
             compiled: bool) -> None:
@@ -233,7 +297,7 @@ class EarlyStart:
         self._run = None
         if self.setting is False or plan is None:
             return
-        why = unsupported_because(plan, compiled)
+        why = unsupported_because(plan, compiled, self.ddp)
         params = [w.param for w in plan.works]
         if why is None and not wanted(self.setting, params[0].device.type):
             why = ("on CPU it does not pay: the hooks run on the backward pass's own thread, which leaves no idle "
@@ -242,24 +306,29 @@ class EarlyStart:
             self.status = f"off: {why}"
             self._remove_hooks()
             return
-        if set(self._hooks) != {id(p) for p in params}:
+        hooked = [p for p in params if self.ddp is None or id(p) not in self.ddp.params]  # DDP's: its comm hook
+        if set(self._hooks) != {id(p) for p in hooked}:
             self._remove_hooks()
             ready = partial(_ready_weakly, weakref.ref(self))
-            self._hooks.update({id(p): p.register_post_accumulate_grad_hook(ready) for p in params})
+            self._hooks.update({id(p): p.register_post_accumulate_grad_hook(ready) for p in hooked})
         if params[0].device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(device=params[0].device)
         self._run = _Run(plan, state, context, start_step, self._stream)
         self.status = "on" + (" (a CUDA stream of its own)" if self._stream is not None else "")
 
-    def check(self, plan: StepPlan, compiled: bool) -> None:
+    def check(self, plan: StepPlan, compiled: bool, ddp_may_follow: bool = False) -> None:
         """With ``early_start=True``: raise if it cannot run ``plan``."""
-        why = unsupported_because(plan, compiled)
+        why = unsupported_because(plan, compiled, self.ddp, ddp_may_follow)
         if why is not None:
             raise ValueError(f"Invalid early_start=True: {why}. Pass early_start=None (where supported) or False.")
 
     def _ready(self, p: Tensor) -> None:
         if self._run is not None:
             self._run.ready(p)
+
+    def _reduced(self, bucket: Reducing) -> None:
+        if self._run is not None:
+            self._run.reduced(bucket)
 
     def finish(self) -> _Run | None:
         """At ``step()``: the current run, finished — started in the backward pass or not, so
@@ -287,6 +356,39 @@ class EarlyStart:
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self.__init__(saved["setting"])
+
+
+class DDPReduction:
+    """The state of dmuon's DDP comm hook (:func:`reduce_ddp_bucket`): the DDP model's parameters
+    and process group, and the early start it hands buckets to (held weakly: a model that
+    outlives its optimizer still reduces its gradients, and only that; ``active`` once the ranks
+    agreed on it)."""
+
+    def __init__(self, early: EarlyStart, model: Any) -> None:
+        self.early = weakref.ref(early)
+        self.params = {id(p) for p in model.parameters()}
+        self.process_group = model.process_group
+        self.active = False
+
+
+# unannotated: DDP checks the annotations against dist.GradBucket and Future[Tensor], which this
+# module's postponed (string) annotations would not be
+def reduce_ddp_bucket(state, bucket):  # noqa: ANN001, ANN201
+    """A DDP comm hook: DDP's own gradient reduction (the bucket scaled by 1 / world size, then
+    summed by one all-reduce: the same bits as DDP's built-in one), which also hands the bucket to
+    early start once its all-reduce has started. DDP calls comm hooks in the same bucket order on
+    every rank, so the collectives the early run issues from here come in the same order too."""
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / state.process_group.size())
+    done = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
+    early = state.early() if state.active else None
+    if early is not None:
+        early._reduced((bucket.parameters(), bucket.gradients(), done))
+    return done.then(_the_tensor)
+
+
+def _the_tensor(done: torch.futures.Future) -> Tensor:
+    return done.value()[0]
 
 
 def _ready_weakly(early: weakref.ref, p: Tensor) -> None:

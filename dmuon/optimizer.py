@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from dmuon import param_groups
 from dmuon.agreement import Fingerprint, agree_on_step, agreed_call, digest_words, issued_number, record_number
-from dmuon.early_start import CHANGED, NOT_USED, USED, EarlyStart, wanted
+from dmuon.early_start import CHANGED, NOT_USED, USED, DDPReduction, EarlyStart, reduce_ddp_bucket, wanted
 from dmuon.elementwise import adamw_steps, update_momentum_of
 from dmuon.engine import StepStats
 from dmuon.exchange import GroupRef, collective_device, job_group
@@ -177,7 +177,7 @@ class Muon(torch.optim.Optimizer):
         self._planner.exchange_plans(self._planner.works(here))
         if options.early_start and here:  # early_start=True where the layouts cannot run it: raised now, on every rank
             self._early.check(self._planner.build(None, here, self._collective_device()),
-                              self._compiled)
+                              self._compiled, ddp_may_follow=True)  # register_ddp_comm_hook comes after
 
     def _make_engine(self) -> None:
         """The compiled kernels, the engine and its planner, from the options (again after a
@@ -456,6 +456,43 @@ class Muon(torch.optim.Optimizer):
     def _arm_early_start(self) -> None:
         """Let the next backward pass start this step's plan (:mod:`dmuon.early_start`)."""
         self._early.arm(self._plan, self.state, self._engine.context, self._engine.start_step, self._compiled)
+
+    def register_ddp_comm_hook(self, model: nn.Module) -> None:
+        """Let early start begin each bucket's Newton–Schulz once DDP's all-reduce of it is done
+        (collective: every rank calls it, with the same DDP model, before the step that should
+        use it). ``model``: the ``DistributedDataParallel`` model whose parameters this optimizer
+        steps. It registers dmuon's comm hook on ``model``, which reduces gradients as DDP's
+        built-in reduction does (the same bits) and, where early start runs, hands each bucket
+        to it (:mod:`dmuon.early_start`); DDP takes one comm hook per model, so ``model`` must
+        have none yet."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        reduction = None
+
+        def check() -> Fingerprint:
+            nonlocal reduction
+            if not isinstance(model, DistributedDataParallel):
+                raise TypeError(f"register_ddp_comm_hook needs a DistributedDataParallel model, got "
+                                f"{type(model).__name__}.")
+            ours, theirs = self._agreement_group(), model.process_group
+            if ours is not None and dist.get_process_group_ranks(ours) != dist.get_process_group_ranks(theirs):
+                raise ValueError(f"The DDP model reduces over ranks {dist.get_process_group_ranks(theirs)}, this "
+                                 f"optimizer works over ranks {dist.get_process_group_ranks(ours)}: pass the DDP "
+                                 "model's process group to dmuon.Muon(process_group=...).")
+            if self._early.ddp is not None:
+                raise ValueError("register_ddp_comm_hook was called before on this optimizer; DDP takes one comm "
+                                 "hook per model.")
+            reduction = DDPReduction(self._early, model)
+            model.register_comm_hook(reduction, reduce_ddp_bucket)  # DDP raises if the model has a hook already
+            missing = [m.name for m in param_groups.muon_params(self.param_groups)
+                       if id(m.param) not in reduction.params and owned_by(m.param) is None]
+            return [("DDP comm hook", "registered"), ("Muon parameters outside the DDP model", repr(missing))]
+
+        agreed_call("register_ddp_comm_hook", check, self._agreement_group(), self._collective_device,
+                    what="DDP comm hook")
+        reduction.active = True  # only where every rank registered it: the early runs' collectives match
+        self._early.ddp = reduction
+        self._arm_early_start()
 
     @property
     def early_start(self) -> str:

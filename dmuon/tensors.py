@@ -15,6 +15,19 @@ def local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def same_bits(pairs: Sequence[tuple[Tensor, Tensor]]) -> bool:
+    """Whether the two tensors of every pair hold the same bits (NaNs alike; +0 and -0 differ),
+    as one bool (one host sync for all the pairs)."""
+    if any(a.shape != b.shape or a.dtype != b.dtype for a, b in pairs):
+        return False
+    differs = [torch.ne(a.view(as_int), b.view(as_int)).any()
+               for a, b in pairs for as_int in [_INTEGER_OF_SIZE[a.element_size()]]]
+    return not differs or not torch.stack(differs).any().item()
+
+
+_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def maybe_nonfinite(tensors: Sequence[Tensor]) -> Tensor:
     """A quick look for non-finite tensors, as a bool vector (no host sync): True where a
     tensor's 2-norm accumulated in its own precision (at least fp32) is not finite.

@@ -115,19 +115,21 @@ LLAMA_HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=t
 
 def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = torch.float32,
                 mixed_precision: bool = False, early_start: bool | None = None, bucket_bytes: int | None = None,
-                qk_threshold: float | None = None) -> dict:
+                qk_threshold: float | None = None, ddp_comm_hook: bool = False,
+                ddp_options: dict | None = None) -> dict:
     """Train the tiny model; ``parallel`` None is the single-process reference, else "ddp",
     "fsdp", "hsdp" or "owner" (the blocks' matrices owner-sharded) with the data split across ranks.
 
     ``dtype``: the parameters' dtype; ``mixed_precision``: FSDP2 computes in bf16 and reduces
     in fp32 while its sharded parameters stay fp32. ``early_start``, ``bucket_bytes``: dmuon's options;
-    ``qk_threshold``: QK-clip's τ (``dmuon.QKClip.for_model``), None: no clip.
+    ``qk_threshold``: QK-clip's τ (``dmuon.QKClip.for_model``), None: no clip. ``ddp_comm_hook``:
+    register dmuon's (``Muon.register_ddp_comm_hook``); ``ddp_options``: DistributedDataParallel's.
     """
     config = get_config("tiny")
     model = Llama(config, seed=0).to(dtype)
     rank, world = (dist.get_rank(), dist.get_world_size()) if parallel else (0, 1)
     if parallel == "ddp":
-        model = DistributedDataParallel(model)
+        model = DistributedDataParallel(model, **(ddp_options or {}))
     elif parallel in ("fsdp", "hsdp"):
         shape = (2, world // 2) if parallel == "hsdp" else (world,)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
@@ -140,6 +142,8 @@ def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = t
         dmuon.shard_by_owner(model, init_device_mesh("cpu", (world,)), layers=model.layers)
     opt = dmuon.Muon(model, replica_split=replica_split, early_start=early_start,
                      **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}), **LLAMA_HPARAMS)
+    if ddp_comm_hook:
+        opt.register_ddp_comm_hook(model)
     clip = dmuon.QKClip.for_model(opt, model, threshold=qk_threshold) if qk_threshold else None
     data = SyntheticTokens(config.vocab_size, seed=0)
     losses, clipped = [], []

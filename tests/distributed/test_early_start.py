@@ -4,6 +4,7 @@ support it, or the gradients change after the backward pass, the step runs as wi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -46,10 +47,110 @@ def test_early_start_gives_the_same_bits_as_the_step_at_step(parallel, world, dt
         _same(other, ons[0])
 
 
-def test_ddp_falls_back_and_says_why():
+def test_ddp_without_dmuons_comm_hook_falls_back_and_says_why():
     for r in run_on_ranks(2, train_llama, "ddp"):
         assert r["early_start"].startswith("off: ") and "DDP" in r["early_start"]
+        assert "register_ddp_comm_hook" in r["early_start"]
         assert r["early_buckets"] == (0, 0)
+
+
+DDP_BUCKETS = dict(bucket_cap_mb=0.01)  # the tiny model in several DDP buckets
+
+
+@pytest.mark.parametrize("world,dtype,view", [
+    (1, torch.float32, False), (2, torch.float32, False), (2, torch.float32, True), (3, torch.float32, False),
+    (3, torch.bfloat16, False), (3, torch.bfloat16, True),
+])
+def test_ddp_with_dmuons_comm_hook_gives_the_same_bits(world, dtype, view):
+    """With the comm hook, a bucket's Newton–Schulz begins once DDP's all-reduce of it is done;
+    the same bits as early start off (the hook registered) and as DDP's own reduction (no hook),
+    with DDP copying the reduced gradients into param.grad and with the gradients views of its
+    buckets (gradient_as_bucket_view)."""
+    ddp = dict(DDP_BUCKETS, gradient_as_bucket_view=view)
+    on, off, plain = (run_on_ranks(world, train_llama, "ddp", None, dtype, False, early, BUCKET, None, hook, ddp)
+                      for early, hook in ((True, True), (False, True), (False, False)))
+    for rank in range(world):
+        assert on[rank]["early_start"] == "on" and off[rank]["early_start"].startswith("off")
+        begun, buckets = on[rank]["early_buckets"]
+        assert buckets > 1 and begun >= 1  # DDP's last bucket is final at step(), after the backward pass
+        _same(on[rank], off[rank])
+        _same(on[rank], plain[rank])
+        _same(on[rank], on[0])
+
+
+_CHANGES = {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3),
+            "scale": lambda m: [p.grad.mul_(0.5) for p in m.parameters()]}
+
+
+def _ddp_mlp(early_start: bool, view: bool = False, change: str | None = None, micro_batches: int = 1) -> dict:
+    """Three steps of the 4-layer MLP under DDP with dmuon's comm hook, each over ``micro_batches``
+    (all but the last under no_sync); ``_CHANGES[change]`` runs between backward() and step()."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_tiny(), bucket_cap_mb=0.005, gradient_as_bucket_view=view)
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
+    opt.register_ddp_comm_hook(model)
+    torch.manual_seed(1 + dist.get_rank())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            for micro in range(micro_batches):
+                with model.no_sync() if micro + 1 < micro_batches else contextlib.nullcontext():
+                    model(torch.randn(8, 32)).square().mean().backward()
+            if change is not None:
+                _CHANGES[change](model)
+            opt.step()
+    return dict(params={n: p.detach().clone() for n, p in model.named_parameters()}, status=opt.early_start,
+                early_buckets=opt.last_step_stats.early_buckets,
+                warnings=sum("early start turned off" in str(w.message) for w in caught))
+
+
+@pytest.mark.parametrize("case", ["clip", "scale"])
+@pytest.mark.parametrize("view", [False, True])
+def test_ddp_gradients_changed_after_backward_redo_the_work(case, view):
+    """Clipping or scaling DDP's reduced gradients before step(): in param.grad, or in DDP's
+    bucket itself (gradient_as_bucket_view): the step redoes the work, and early start turns off."""
+    ons, offs = run_on_ranks(2, _ddp_mlp, True, view, case), run_on_ranks(2, _ddp_mlp, False, view, case)
+    for on, off in zip(ons, offs):
+        assert on["status"].startswith("off: the gradients changed") and on["warnings"] == 1
+        for name, value in on["params"].items():
+            assert torch.equal(value, off["params"][name]), name
+
+
+def test_ddp_accumulation_under_no_sync_starts_with_the_last_micro_batch():
+    """DDP reduces, and calls the comm hook, only in the last micro-batch's backward pass: early
+    start begins there, and gives the same bits as without it."""
+    ons, offs = run_on_ranks(2, _ddp_mlp, True, False, None, 3), run_on_ranks(2, _ddp_mlp, False, False, None, 3)
+    for on, off in zip(ons, offs):
+        assert on["status"] == "on" and on["warnings"] == 0 and on["early_buckets"][0] >= 1
+        for name, value in on["params"].items():
+            assert torch.equal(value, off["params"][name]), name
+
+
+def _register(case: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_tiny())
+    opt = dmuon.Muon(model)
+    if case == "their hook":
+        model.register_comm_hook(None, allreduce_hook)
+    opt.register_ddp_comm_hook(model.module if case == "not DDP" else model)
+    if case == "twice":
+        opt.register_ddp_comm_hook(model)
+
+
+@pytest.mark.parametrize("case,pattern", [
+    ("not DDP", r"TypeError: register_ddp_comm_hook needs a DistributedDataParallel model, got Sequential"),
+    ("twice", r"ValueError: register_ddp_comm_hook was called before"),
+    ("their hook", r"RuntimeError: .*register_comm_hook .*once"),
+])
+def test_register_ddp_comm_hook_misuse_raises_on_every_rank(case, pattern):
+    from tests.helpers import assert_same_error, error_of
+
+    assert_same_error(run_on_ranks(2, error_of, _register, case), pattern)
 
 
 def test_the_default_is_off_on_cpu_and_says_why():
@@ -84,8 +185,7 @@ def _train(early_start, steps=3, between=None, accumulate=False, skip_at=None):
 
 @pytest.mark.parametrize("case", ["clip", "accumulate", "scale"])
 def test_gradients_changed_after_backward_redo_the_work_and_turn_early_start_off(case):
-    between = {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3),
-               "scale": lambda m: [p.grad.mul_(0.5) for p in m.parameters()], "accumulate": None}[case]
+    between = _CHANGES.get(case)
     reference, _ = _train(False, between=between, accumulate=case == "accumulate")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -127,17 +227,24 @@ def test_early_start_true_where_it_cannot_run_raises_at_construction():
         dmuon.Muon(_tiny(), early_start=True, compile=True)
 
 
-def _ddp_with_early_start() -> None:
+def _ddp_with_early_start_and_no_hook() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    dmuon.Muon(DistributedDataParallel(_tiny()), early_start=True)
+    model = DistributedDataParallel(_tiny())
+    opt = dmuon.Muon(model, early_start=True)  # the comm hook may still come
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(8, 32)).sum().backward()
+    try:
+        opt.step()
+    finally:
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing moved
 
 
-def test_early_start_true_under_ddp_raises_on_every_rank_before_any_step():
+def test_early_start_true_under_ddp_without_the_hook_raises_on_every_rank_at_the_first_step():
     from tests.helpers import assert_same_error, error_of
 
-    assert_same_error(run_on_ranks(2, error_of, _ddp_with_early_start),
-                      r"ValueError: Invalid early_start=True: .*replicated \(DDP\)")
+    assert_same_error(run_on_ranks(2, error_of, _ddp_with_early_start_and_no_hook),
+                      r"ValueError: Invalid early_start=True: .*replicated \(DDP\).*register_ddp_comm_hook")
 
 
 def test_state_dict_round_trip_between_backward_and_step():

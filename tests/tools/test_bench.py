@@ -150,6 +150,7 @@ def test_the_default_configurations_depend_on_the_device(monkeypatch):
     assert parsed().configs == list(bench.CONFIGS) == ["ddp-adamw", "ddp-torch-muon", "fsdp-adamw",
                                                        "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert parsed("--device", "cuda").configs == [*bench.CONFIGS, "fsdp-dmuon-atstep", "ownerz2-dmuon"]
+    assert parsed("--device", "cuda").configs == [*bench.CONFIGS, "ddp-dmuon-atstep", "fsdp-dmuon-atstep",
+                                                              "ownerz2-dmuon"]
     assert parsed("--device", "cuda", "--configs", "fsdp-adamw,fsdp-dmuon-early").configs == [
         "fsdp-adamw", "fsdp-dmuon-early"]

@@ -272,3 +272,19 @@ def test_normalize_gives_each_matrix_its_own_bits_in_a_mixed_stack():
         assert torch.equal(together[i].nan_to_num(7.0), normalize(matrix).nan_to_num(7.0)), i
     assert torch.equal(together[1], together[0])  # the scaled formula, where it is exact, gives the plain bits
     assert (together[4] == 0).all() and together[5].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_same_bits_tells_apart_what_equal_values_hide(dtype):
+    """Early start's check under DDP (dmuon.tensors.same_bits): NaNs alike are the same bits,
+    -0 and +0 are not, nor a one-ulp change, a shape or a dtype."""
+    from dmuon.tensors import same_bits
+
+    a = torch.tensor([1.0, float("nan"), 0.0, 3.0], dtype=dtype)
+    assert same_bits([(a, a.clone()), (a[:2], a[:2].clone())]) and same_bits([])
+    signed = a.clone()
+    signed[2] = -0.0
+    assert not same_bits([(a, a.clone()), (a, signed)])
+    assert not same_bits([(a, torch.nextafter(a, torch.full_like(a, 10.0)))])
+    assert not same_bits([(a, a.reshape(2, 2))]) and not same_bits([(a, a.to(torch.float32 if dtype != torch.float32
+                                                                           else torch.float64))])
