@@ -59,7 +59,7 @@ DDP_BUCKETS = dict(bucket_cap_mb=0.01)  # the tiny model in several DDP buckets
 
 @pytest.mark.parametrize("world,dtype,view", [
     (1, torch.float32, False), (2, torch.float32, False), (2, torch.float32, True), (3, torch.float32, False),
-    (3, torch.bfloat16, False), (3, torch.bfloat16, True),
+    (3, torch.bfloat16, False), (3, torch.bfloat16, True), (4, torch.float32, True),
 ])
 def test_ddp_with_dmuons_comm_hook_gives_the_same_bits(world, dtype, view):
     """With the comm hook, a bucket's Newton–Schulz begins once DDP's all-reduce of it is done;
@@ -82,9 +82,11 @@ _CHANGES = {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-
             "scale": lambda m: [p.grad.mul_(0.5) for p in m.parameters()]}
 
 
-def _ddp_mlp(early_start: bool, view: bool = False, change: str | None = None, micro_batches: int = 1) -> dict:
+def _ddp_mlp(early_start: bool, view: bool = False, change: str | None = None, micro_batches: int = 1,
+             poison_at: int | None = None) -> dict:
     """Three steps of the 4-layer MLP under DDP with dmuon's comm hook, each over ``micro_batches``
-    (all but the last under no_sync); ``_CHANGES[change]`` runs between backward() and step()."""
+    (all but the last under no_sync); ``_CHANGES[change]`` runs between backward() and step();
+    at step ``poison_at`` the last rank's batch holds an infinity."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -94,16 +96,19 @@ def _ddp_mlp(early_start: bool, view: bool = False, change: str | None = None, m
     torch.manual_seed(1 + dist.get_rank())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(3):
+        for step in range(3):
             opt.zero_grad()
             for micro in range(micro_batches):
+                x = torch.randn(8, 32)
+                if step == poison_at and dist.get_rank() == dist.get_world_size() - 1:
+                    x[0, 0] = float("inf")
                 with model.no_sync() if micro + 1 < micro_batches else contextlib.nullcontext():
-                    model(torch.randn(8, 32)).square().mean().backward()
+                    model(x).square().mean().backward()
             if change is not None:
                 _CHANGES[change](model)
             opt.step()
     return dict(params={n: p.detach().clone() for n, p in model.named_parameters()}, status=opt.early_start,
-                early_buckets=opt.last_step_stats.early_buckets,
+                early_buckets=opt.last_step_stats.early_buckets, skipped=opt.skipped_steps,
                 warnings=sum("early start turned off" in str(w.message) for w in caught))
 
 
@@ -127,6 +132,18 @@ def test_ddp_accumulation_under_no_sync_starts_with_the_last_micro_batch():
         assert on["status"] == "on" and on["warnings"] == 0 and on["early_buckets"][0] >= 1
         for name, value in on["params"].items():
             assert torch.equal(value, off["params"][name]), name
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(world):
+    """One rank's infinite input at step 1: DDP's all-reduce spreads it, every rank skips that
+    step with early start's work unused, and the next step's early run is fresh: the same bits
+    as without early start."""
+    ons, offs = (run_on_ranks(world, _ddp_mlp, early, False, None, 1, 1) for early in (True, False))
+    for on, off in zip(ons, offs):
+        assert on["status"] == "on" and on["skipped"] == off["skipped"] == 1
+        for name, value in on["params"].items():
+            assert torch.equal(value, off["params"][name]) and torch.equal(value, ons[0]["params"][name]), name
 
 
 def _register(case: str) -> None:
