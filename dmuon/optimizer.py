@@ -15,7 +15,16 @@ from torch import Tensor, nn
 
 from dmuon import param_groups
 from dmuon.agreement import Fingerprint, agree_on_step, agreed_call, digest_words, issued_number, record_number
-from dmuon.early_start import CHANGED, NOT_USED, USED, DDPReduction, EarlyStart, reduce_ddp_bucket, wanted
+from dmuon.early_start import (
+    CHANGED,
+    NOT_USED,
+    USED,
+    DDPReduction,
+    EarlyStart,
+    reduce_ddp_bucket,
+    unsupported_because,
+    wanted,
+)
 from dmuon.elementwise import adamw_steps, update_momentum_of
 from dmuon.engine import StepStats
 from dmuon.exchange import GroupRef, collective_device, job_group
@@ -260,13 +269,17 @@ class Muon(torch.optim.Optimizer):
         self._structure_words = digest_words(fingerprint)
         self._checked_settings = param_groups.settings(self.param_groups)
         self._plan = None
+        self._order_buckets()  # the parameters may have changed: early start may run again
 
     # ------------------------------------------------------------------ the plan
 
     @property
     def plans(self) -> list[Plan]:
         """The plan of each exchange group (usually one): owners, buckets, bytes; see Plan.table()."""
-        return self._planner.exchange_plans(self._planner.works(self._stepped_here()))
+        here = self._stepped_here()
+        if self._planner.ready_order and self._early.setting is None and here:
+            self._step_plan(here)  # the bucket order the next step will use
+        return self._planner.exchange_plans(self._planner.works(here))
 
     def _stepped_here(self) -> list[param_groups.MuonParam]:
         """The Muon parameters this rank steps (all, unless owner-sharded to other ranks)."""
@@ -365,9 +378,22 @@ class Muon(torch.optim.Optimizer):
         self._order_buckets()
 
     def _order_buckets(self) -> None:
-        """Where early start will run, the plan's buckets follow the backward pass (the model's
-        order reversed); elsewhere the cost order."""
+        """Where early start may run, the plan's buckets follow the backward pass (the model's
+        order reversed); elsewhere the cost order (:meth:`_step_plan`)."""
         self._planner.ready_order = wanted(self._options.early_start, self._collective_device().type)
+
+    def _step_plan(self, entries: Sequence[param_groups.MuonParam]) -> StepPlan:
+        """The plan kept, unless what it depends on changed. Early start's (buckets in the backward
+        order, every matrix whole) only where early start can run it: where it cannot (a layout it
+        does not support, DDP without :meth:`register_ddp_comm_hook`) and ``early_start=None``, the
+        step is better served by the cost order, which may also split matrices."""
+        device = self._collective_device()
+        plan = self._planner.step_plan(self._plan, entries, device)
+        if (self._planner.ready_order and self._early.setting is None
+                and unsupported_because(plan, self._compiled, self._early.ddp) is not None):
+            self._planner.ready_order = False
+            plan = self._planner.build(plan.key, entries, device)
+        return plan
 
     # ------------------------------------------------------------------ step
 
@@ -419,7 +445,7 @@ class Muon(torch.optim.Optimizer):
             self._arm_early_start()
             return loss
         # the plan kept, unless what it depends on changed; AdamW runs while the exchange waits
-        plan = self._plan = self._planner.step_plan(self._plan, entries, self._collective_device())
+        plan = self._plan = self._step_plan(entries)
         if self._early.setting:  # early_start=True where this plan cannot run it: raised before anything moves
             self._early.check(plan, self._compiled)
         pieces = update_momentum_of(entries, self.state, self._kernels)
@@ -492,6 +518,8 @@ class Muon(torch.optim.Optimizer):
                     what="DDP comm hook")
         reduction.active = True  # only where every rank registered it: the early runs' collectives match
         self._early.ddp = reduction
+        self._plan = None  # early start's plan, where it can now run
+        self._order_buckets()
         self._arm_early_start()
 
     @property

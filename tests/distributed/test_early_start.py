@@ -326,3 +326,39 @@ def test_a_dropped_optimizer_leaves_no_hook_behind():
     gc.collect()
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
     model(torch.randn(8, 32)).sum().backward()  # nothing to run, nothing raised
+
+
+def _plans_under_ddp_as_on_cuda() -> dict:
+    """The buckets of the plan a step runs under DDP where early_start=None turns early start on
+    (CUDA, stood in for by patching ``wanted``): before and after register_ddp_comm_hook, and those
+    of the cost order (early_start=False) and of early start's order (early_start=True)."""
+    from unittest import mock
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    def on_cuda(setting, device_type):
+        return setting if setting is not None else True
+
+    torch.manual_seed(0)
+    sizes = [(48, 16), (16, 64), (64, 64), (32, 16), (16, 96), (96, 32)]
+    model = DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(n, m, bias=False) for n, m in sizes]))
+    buckets, status = {}, {}
+    with mock.patch("dmuon.optimizer.wanted", on_cuda), mock.patch("dmuon.early_start.wanted", on_cuda):
+        for name, setting in (("cost", False), ("early", True), ("default", None)):
+            opt = dmuon.Muon(model, lr=0.02, bucket_bytes=64 * 64 * 4, early_start=setting)
+            if name == "default":
+                _, status["before"] = opt.plan, opt.early_start
+                buckets["before"] = opt.plan.buckets
+                opt.register_ddp_comm_hook(model)
+            buckets[name] = opt.plan.buckets
+    return dict(buckets=buckets, status=status)
+
+
+def test_where_early_start_cannot_run_the_step_plans_in_the_cost_order():
+    """early_start=None where it would run (CUDA) under DDP without dmuon's comm hook: the step's
+    plan is the cost order's, not early start's (which keeps every matrix whole and follows the
+    backward pass); once the hook is registered, early start's."""
+    for result in run_on_ranks(2, _plans_under_ddp_as_on_cuda):
+        buckets = result["buckets"]
+        assert buckets["cost"] != buckets["early"]  # the two orders differ for this model
+        assert buckets["before"] == buckets["cost"] and buckets["default"] == buckets["early"]
