@@ -78,6 +78,18 @@ def test_ddp_with_dmuons_comm_hook_gives_the_same_bits(world, dtype, view):
         _same(on[rank], on[0])
 
 
+@pytest.mark.parametrize("option", ["find_unused_parameters", "static_graph"])
+def test_ddp_options_with_dmuons_comm_hook_give_the_same_bits(option):
+    """DDP's find_unused_parameters and static_graph change when and how it marks gradients
+    ready; with the comm hook, early start still gives plain DDP's bits."""
+    ddp = dict(DDP_BUCKETS, **{option: True})
+    on, plain = (run_on_ranks(2, train_llama, "ddp", None, torch.float32, False, early, BUCKET, None, hook, ddp)
+                 for early, hook in ((True, True), (False, False)))
+    for rank in range(2):
+        assert on[rank]["early_start"] == "on" and on[rank]["early_buckets"][0] >= 1
+        _same(on[rank], plain[rank])
+
+
 _CHANGES = {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3),
             "scale": lambda m: [p.grad.mul_(0.5) for p in m.parameters()]}
 
