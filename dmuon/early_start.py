@@ -362,13 +362,32 @@ class DDPReduction:
     """The state of dmuon's DDP comm hook (:func:`reduce_ddp_bucket`): the DDP model's parameters
     and process group, and the early start it hands buckets to (held weakly: a model that
     outlives its optimizer still reduces its gradients, and only that; ``active`` once the ranks
-    agreed on it)."""
+    agreed on it). One per model (:meth:`of`): DDP takes one comm hook, and an optimizer made
+    later for the same model takes the hook over."""
 
-    def __init__(self, early: EarlyStart, model: Any) -> None:
-        self.early = weakref.ref(early)
+    _of_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, model: Any) -> None:
+        self.early: weakref.ref | None = None  # set by hand_to, with active
         self.params = {id(p) for p in model.parameters()}
         self.process_group = model.process_group
         self.active = False
+
+    @classmethod
+    def of(cls, model: Any) -> DDPReduction:
+        """``model``'s reduction: the one its comm hook has, or a new one with the hook registered
+        (DDP raises if the model has another comm hook)."""
+        reduction = cls._of_model.get(model)
+        if reduction is None:
+            reduction = cls(model)
+            model.register_comm_hook(reduction, reduce_ddp_bucket)
+            cls._of_model[model] = reduction
+        return reduction
+
+    def hand_to(self, early: EarlyStart) -> None:
+        """From now on, hand the buckets to ``early`` (all ranks agreed)."""
+        self.early = weakref.ref(early)
+        self.active = True
 
 
 # unannotated: DDP checks the annotations against dist.GradBucket and Future[Tensor], which this

@@ -21,7 +21,6 @@ from dmuon.early_start import (
     USED,
     DDPReduction,
     EarlyStart,
-    reduce_ddp_bucket,
     unsupported_because,
     wanted,
 )
@@ -490,7 +489,7 @@ class Muon(torch.optim.Optimizer):
         steps. It registers dmuon's comm hook on ``model``, which reduces gradients as DDP's
         built-in reduction does (the same bits) and, where early start runs, hands each bucket
         to it (:mod:`dmuon.early_start`); DDP takes one comm hook per model, so ``model`` must
-        have none yet."""
+        have no other (an optimizer made later for the same model takes dmuon's over)."""
         from torch.nn.parallel import DistributedDataParallel
 
         reduction = None
@@ -508,15 +507,14 @@ class Muon(torch.optim.Optimizer):
             if self._early.ddp is not None:
                 raise ValueError("register_ddp_comm_hook was called before on this optimizer; DDP takes one comm "
                                  "hook per model.")
-            reduction = DDPReduction(self._early, model)
-            model.register_comm_hook(reduction, reduce_ddp_bucket)  # DDP raises if the model has a hook already
+            reduction = DDPReduction.of(model)  # DDP raises if the model has another comm hook
             missing = [m.name for m in param_groups.muon_params(self.param_groups)
                        if id(m.param) not in reduction.params and owned_by(m.param) is None]
             return [("DDP comm hook", "registered"), ("Muon parameters outside the DDP model", repr(missing))]
 
         agreed_call("register_ddp_comm_hook", check, self._agreement_group(), self._collective_device,
                     what="DDP comm hook")
-        reduction.active = True  # only where every rank registered it: the early runs' collectives match
+        reduction.hand_to(self._early)  # only where every rank registered it: the early runs' collectives match
         self._early.ddp = reduction
         self._plan = None  # early start's plan, where it can now run
         self._order_buckets()

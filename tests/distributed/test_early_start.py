@@ -182,6 +182,42 @@ def test_register_ddp_comm_hook_misuse_raises_on_every_rank(case, pattern):
     assert_same_error(run_on_ranks(2, error_of, _register, case), pattern)
 
 
+def _a_second_optimizer_for_the_same_ddp_model() -> dict:
+    """An optimizer dropped after a step, then another one for the same DDP model: its
+    register_ddp_comm_hook takes dmuon's hook over (DDP would refuse a second hook)."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_tiny(), bucket_cap_mb=0.005)
+    first = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=True)
+    first.register_ddp_comm_hook(model)
+    model(torch.randn(8, 32)).square().mean().backward()
+    first.step()
+    del first
+    gc.collect()
+    reference = copy.deepcopy(model.module)
+    second = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=True)
+    second.register_ddp_comm_hook(model)
+    alone = dmuon.Muon(reference, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=False)
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 32)
+        for m, o in ((model, second), (reference, alone)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    return dict(status=second.early_start, begun=second.last_step_stats.early_buckets[0],
+                same=all(torch.equal(a, b) for a, b in zip(model.module.parameters(), reference.parameters())))
+
+
+def test_a_later_optimizer_takes_dmuons_ddp_comm_hook_over():
+    """The second optimizer's early start runs from the hook the first one registered, and its
+    steps match an optimizer stepping the rank's own (all-reduced, so equal) gradients alone."""
+    for result in run_on_ranks(2, _a_second_optimizer_for_the_same_ddp_model):
+        assert result["status"] == "on" and result["begun"] >= 1 and result["same"]
+
+
 def test_the_default_is_off_on_cpu_and_says_why():
     model, opt = _train(None, steps=2)
     assert opt.early_start.startswith("off: on CPU it does not pay")
