@@ -166,9 +166,8 @@ class Read(NamedTuple):
 
 
 def buffer_mark(buf: Tensor, group: dict[str, Any]) -> tuple:
+    """A momentum buffer's identity and version, with the options the momentum is made with."""
     return id(buf), buf._version, group["momentum"], group["nesterov"]
-
-
 
 
 class _Run:

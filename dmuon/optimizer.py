@@ -505,8 +505,8 @@ class Muon(torch.optim.Optimizer):
                                  f"optimizer works over ranks {dist.get_process_group_ranks(ours)}: pass the DDP "
                                  "model's process group to dmuon.Muon(process_group=...).")
             if self._early.ddp is not None:
-                raise ValueError("register_ddp_comm_hook was called before on this optimizer; DDP takes one comm "
-                                 "hook per model.")
+                raise ValueError("register_ddp_comm_hook was called before on this optimizer: it serves one DDP "
+                                 "model.")
             reduction = DDPReduction.of(model)  # DDP raises if the model has another comm hook
             missing = [m.name for m in param_groups.muon_params(self.param_groups)
                        if id(m.param) not in reduction.params and owned_by(m.param) is None]
