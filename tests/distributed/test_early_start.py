@@ -95,10 +95,11 @@ _CHANGES = {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-
 
 
 def _ddp_mlp(early_start: bool, view: bool = False, change: str | None = None, micro_batches: int = 1,
-             poison_at: int | None = None) -> dict:
+             poison_at: int | None = None, closure: bool = False) -> dict:
     """Three steps of the 4-layer MLP under DDP with dmuon's comm hook, each over ``micro_batches``
     (all but the last under no_sync); ``_CHANGES[change]`` runs between backward() and step();
-    at step ``poison_at`` the last rank's batch holds an infinity."""
+    at step ``poison_at`` the last rank's batch holds an infinity; ``closure``: the micro-batches
+    run in step()'s closure."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -109,13 +110,20 @@ def _ddp_mlp(early_start: bool, view: bool = False, change: str | None = None, m
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(3):
-            opt.zero_grad()
-            for micro in range(micro_batches):
-                x = torch.randn(8, 32)
-                if step == poison_at and dist.get_rank() == dist.get_world_size() - 1:
-                    x[0, 0] = float("inf")
-                with model.no_sync() if micro + 1 < micro_batches else contextlib.nullcontext():
-                    model(x).square().mean().backward()
+            batches = [torch.randn(8, 32) for _ in range(micro_batches)]
+            if step == poison_at and dist.get_rank() == dist.get_world_size() - 1:
+                batches[0][0, 0] = float("inf")
+
+            def backward() -> None:
+                opt.zero_grad()
+                for micro, x in enumerate(batches):
+                    with model.no_sync() if micro + 1 < micro_batches else contextlib.nullcontext():
+                        model(x).square().mean().backward()
+
+            if closure:
+                opt.step(backward)
+                continue
+            backward()
             if change is not None:
                 _CHANGES[change](model)
             opt.step()
@@ -136,10 +144,12 @@ def test_ddp_gradients_changed_after_backward_redo_the_work(case, view):
             assert torch.equal(value, off["params"][name]), name
 
 
-def test_ddp_accumulation_under_no_sync_starts_with_the_last_micro_batch():
+@pytest.mark.parametrize("closure", [False, True])
+def test_ddp_accumulation_under_no_sync_starts_with_the_last_micro_batch(closure):
     """DDP reduces, and calls the comm hook, only in the last micro-batch's backward pass: early
-    start begins there, and gives the same bits as without it."""
-    ons, offs = run_on_ranks(2, _ddp_mlp, True, False, None, 3), run_on_ranks(2, _ddp_mlp, False, False, None, 3)
+    start begins there, and gives the same bits as without it; also with the backward passes in
+    step()'s closure."""
+    ons, offs = (run_on_ranks(2, _ddp_mlp, early, False, None, 3, None, closure) for early in (True, False))
     for on, off in zip(ons, offs):
         assert on["status"] == "on" and on["warnings"] == 0 and on["early_buckets"][0] >= 1
         for name, value in on["params"].items():
