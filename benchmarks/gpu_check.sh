@@ -11,7 +11,7 @@
 #   5. early start: one process, AdamW vs dmuon with and without it, and early start's plan with
 #      its buckets begun in the backward pass vs all run at step() (bitwise), on the bench preset
 #      and on 4 layers of Llama-3.2-3B's shapes; FSDP2 and DDP (dmuon's comm hook) on one GPU
-#      with and without it.
+#      with and without it, and under DDP its buckets begun in backward vs at step() (bitwise).
 # Usage: bash benchmarks/gpu_check.sh [OUTPUT_DIR]   (default: gpu_check_results/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,5 +74,7 @@ python benchmarks/early_start.py --device cuda --preset llama-3.2-3b --layers 4 
     --rounds 8 --json "$out/early_start_3b.json" 2>&1 | tee "$out/early_start_3b.txt"
 dmuon bench --device cuda --world-size 1 --preset bench --batch-size 16 --seq-len 512 --steps 6 --warmup 2 \
     --configs fsdp-adamw,fsdp-dmuon,fsdp-dmuon-atstep --max-seconds 0 2>&1 | tee "$out/early_start_fsdp.txt"
+python benchmarks/early_start.py --device cuda --ddp-only --preset bench --batch-size 16 --seq-len 512 \
+    2>&1 | tee "$out/early_start_ddp_bits.txt" || echo "DDP early start bits FAIL: the other checks go on"
 dmuon bench --device cuda --world-size 1 --preset bench --batch-size 16 --seq-len 512 --steps 6 --warmup 2 \
     --configs ddp-adamw,ddp-dmuon,ddp-dmuon-atstep --max-seconds 0 2>&1 | tee "$out/early_start_ddp.txt"
