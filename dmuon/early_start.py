@@ -45,11 +45,17 @@ end of the backward pass (unless ``gradient_as_bucket_view``), so ``step()`` che
 accumulation starts nothing before the last micro-batch. Without the comm hook, DDP's
 parameters run as without early start.
 
-Where a parameter's gradient is not final when the hook runs (owner sharding: the owner's reduce
-comes after), or where the step plan has strategies that do not run in stages (gangs, gathered
-layouts, distributed Newton–Schulz), or with ``compile`` or ``cuda_graphs``, the step runs as
-without early start; :attr:`EarlyStart.status` says why. On CUDA the early work runs on a stream
-of its own, so that it can overlap the backward pass.
+Owner sharding (:mod:`dmuon.owner`): a matrix's gradient is final on its owner once the reduce
+of its layer is done. The sharding tells early start (``notify_final_gradients``): while it
+listens, it waits for a layer's reduce when the next layer's starts, instead of all at the end of
+the backward pass. Each owner's plan holds only its own matrices and exchanges nothing, so each
+rank's run goes at its own pace. Across replicas (HSDP) the sums meet only at the end of the
+backward pass, and the step runs as without early start.
+
+Where the step plan has strategies that do not run in stages (gangs, gathered layouts,
+distributed Newton–Schulz), or with ``compile`` or ``cuda_graphs``, or with row-wise tensor
+parallel, the step runs as without early start; :attr:`EarlyStart.status` says why. On CUDA the
+early work runs on a stream of its own, so that it can overlap the backward pass.
 """
 
 from __future__ import annotations
@@ -100,8 +106,12 @@ def unsupported_because(plan: StepPlan, compiled: bool, ddp: DDPReduction | None
         p = work.param
         if ddp is not None and id(p) in ddp.params:
             continue  # final once DDP's all-reduce of its bucket is done: the comm hook says when
-        if owned_by(p) is not None:
-            return f"{work.name!r} is owner-sharded: its gradient is final only after the owner's reduce"
+        owned = owned_by(p)
+        if owned is not None:
+            if owned.sharding.across_replicas:
+                return (f"{work.name!r} is owner-sharded across replicas (HSDP): its gradient is final only "
+                        "after the replicas' sums meet, at the end of the backward pass")
+            continue  # final once the owner's reduce is done: the sharding says when
         if work.process_group is None:
             continue
         if not isinstance(p, DTensor):
@@ -282,8 +292,8 @@ class EarlyStart:
     def __init__(self, setting: bool | None) -> None:
         self.setting = setting
         self.status = "off (early_start=False)" if setting is False else "not yet: it starts after the first step"
-        # id(param) -> hook handle. The hooks hold this object weakly, and go when it goes: a
-        # parameter must not keep an optimizer that was dropped alive, nor run its work.
+        # id(param) (or of an owner sharding) -> hook handle. The hooks hold this object weakly, and
+        # go when it goes: a parameter must not keep an optimizer that was dropped alive, nor run its work.
         self._hooks: dict[int, Any] = {}
         weakref.finalize(self, _remove, self._hooks)
         self._run: _Run | None = None
@@ -305,11 +315,15 @@ class EarlyStart:
             self.status = f"off: {why}"
             self._remove_hooks()
             return
-        hooked = [p for p in params if self.ddp is None or id(p) not in self.ddp.params]  # DDP's: its comm hook
-        if set(self._hooks) != {id(p) for p in hooked}:
+        # DDP's parameters: its comm hook says when they are final; owner-sharded ones: their sharding
+        hooked = [p for p in params if (self.ddp is None or id(p) not in self.ddp.params) and owned_by(p) is None]
+        shardings = {id(owned_by(p).sharding): owned_by(p).sharding for p in params if owned_by(p) is not None}
+        if set(self._hooks) != {id(p) for p in hooked} | set(shardings):
             self._remove_hooks()
             ready = partial(_ready_weakly, weakref.ref(self))
             self._hooks.update({id(p): p.register_post_accumulate_grad_hook(ready) for p in hooked})
+            final = partial(_final_weakly, weakref.ref(self))
+            self._hooks.update({key: s.notify_final_gradients(final) for key, s in shardings.items()})
         if params[0].device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(device=params[0].device)
         self._run = _Run(plan, state, context, start_step, self._stream)
@@ -414,6 +428,14 @@ def _ready_weakly(early: weakref.ref, p: Tensor) -> None:
     alive = early()
     if alive is not None:
         alive._ready(p)
+
+
+def _final_weakly(early: weakref.ref, params: Sequence[Tensor]) -> None:
+    """An owner sharding's listener: tell its optimizer's early start, if that still exists."""
+    alive = early()
+    if alive is not None:
+        for p in params:
+            alive._ready(p)
 
 
 def _remove(hooks: dict[int, Any]) -> None:

@@ -32,9 +32,9 @@ parameter.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch import Tensor
@@ -84,6 +84,11 @@ class OwnerShardingHandle(Protocol):
     def wait_for_gradients(self) -> None: ...
 
     def weights_changed(self) -> None: ...
+
+    @property
+    def across_replicas(self) -> bool: ...
+
+    def notify_final_gradients(self, listener: Callable[[Sequence[Tensor]], None]) -> Any: ...
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,10 @@ instead (the DMuon paper's "dedicated ownership"), so the optimizer step moves n
   accumulate locally (gradient accumulation), and the reduce happens on the last micro-batch.
   Without ``no_sync`` every backward reduces, and gradients add up as under DDP: an owner sets
   its averaged gradient aside when the next backward reaches the parameter (a tensor hook runs
-  before autograd accumulates), and adds the next average to it.
+  before autograd accumulates), and adds the next average to it. The reduces are waited for
+  when the backward pass ends; while early start listens
+  (:meth:`OwnerSharding.notify_final_gradients`, within one replica), each layer's when the next
+  layer's starts, so that its owner can begin Newton–Schulz on it during the backward pass.
 * **step**: :class:`dmuon.Muon` sees that a parameter is owner-sharded and, on its owner only,
   runs momentum, Newton–Schulz and the update locally; other ranks hold no state for it.
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from dmuon.exchange import CommCounter, start_all_reduce_sum, start_broadcast
 from dmuon.layout import OwnedParam, mark_owned
@@ -80,6 +82,10 @@ class OwnerSharding:
         self._rest_reduces: list[tuple[nn.Parameter, dist.Work]] = []
         self._layers_done = 0  # layers whose gradients all arrived, this backward
         self._rest_ready: set[int] = set()
+        # told which of this rank's parameters have their final (averaged) gradient, layer by
+        # layer during the backward pass (early start's; notify_final_gradients)
+        # (an OrderedDict: RemovableHandle holds it weakly, which a dict cannot be)
+        self._final_listeners: OrderedDict[int, Callable[[Sequence[nn.Parameter]], None]] = OrderedDict()
         self.rest_counter = CommCounter()
         self.last_step_bytes = 0
         self.rest_bytes = 0
@@ -97,6 +103,11 @@ class OwnerSharding:
     def is_mine(self, param: Tensor) -> bool:
         """Whether this rank steps ``param`` (and keeps its optimizer state)."""
         return self.ownership.is_mine(param)
+
+    @property
+    def across_replicas(self) -> bool:
+        """HSDP: the gradients go on from each replica's holder to replica 0's, which steps."""
+        return self.groups.replica is not None
 
     def owned_bytes(self, rank: int) -> int:
         """Bytes of weights ``rank`` (of this rank's shard group) keeps between steps; its
@@ -173,9 +184,24 @@ class OwnerSharding:
             self._layer_backward_done(layer)
             self._maybe_finish()
 
+    def notify_final_gradients(self, listener: Callable[[Sequence[nn.Parameter]], None]) -> RemovableHandle:
+        """Tell ``listener`` which of this rank's parameters have their final (averaged) gradient
+        in ``param.grad``, as they get it. While one listens (and not across replicas), a layer's
+        reduce is waited for when the next layer's starts, in the backward pass, instead of all at
+        its end, so that the owner can start on it (:mod:`dmuon.early_start`). Returns the handle
+        that stops it."""
+        handle = RemovableHandle(self._final_listeners)
+        self._final_listeners[handle.id] = listener
+        return handle
+
     def _layer_backward_done(self, layer: OwnedLayer) -> None:
         if self._reduce_gradients:
-            self._reduces += layer.start_reduces()
+            started = layer.start_reduces()
+            if self._final_listeners and not self.across_replicas:
+                # the layers before this one: final once their reduces are done, while this one's goes on
+                self._finish_reduces(self._reduces)
+                self._reduces = []
+            self._reduces += started
         layer.ready.clear()
         layer.release()
         self._layers_done += 1
@@ -209,28 +235,9 @@ class OwnerSharding:
         for layer in self._layers:
             if layer.ready:  # some of its parameters got gradients, others none
                 self._layer_backward_done(layer)
-        rank = self.ownership.rank
-        gathered = []
-        for reduce in self._reduces:
-            if reduce.work is not None:
-                reduce.work.wait()
-            if reduce.holder != rank:
-                continue
-            if self.groups.replica is not None:  # HSDP: the replicas' sums meet at replica 0
-                reduce = self.ownership.reduce(reduce.members, self.ownership.owner_of[id(reduce.members[0])],
-                                               self.groups.replica, reduce.flat)
-            gathered.append(reduce)
-        everyone = self.size * self.groups.replicas
-        for reduce in gathered:
-            if reduce.work is not None:
-                reduce.work.wait()
-            if self.is_mine(reduce.members[0]):
-                reduce.flat.div_(everyone)
-                for p, piece in zip(reduce.members, reduce.flat.split([p.numel() for p in reduce.members])):
-                    earlier = self._set_aside.pop(id(p), None)
-                    p.grad = piece.view_as(p) if earlier is None else earlier.add_(piece.view_as(p))
-                    self._averaged[id(p)] = p.grad
+        self._finish_reduces(self._reduces)
         self._restore_set_aside()
+        everyone = self.size * self.groups.replicas
         for p, work in self._rest_reduces:
             work.wait()
             p.grad.div_(everyone)
@@ -242,6 +249,37 @@ class OwnerSharding:
         self.last_step_bytes, self.rest_bytes = self.counter.bytes_sent, self.rest_counter.bytes_sent
         self.counter.reset()
         self.rest_counter.reset()
+
+    def _finish_reduces(self, reduces: list[GradientReduce]) -> None:
+        """Wait for ``reduces`` (HSDP: and for the replicas' sums to meet at replica 0); the
+        owners' averaged gradients into ``param.grad``, added to what an earlier backward left
+        there; then tell the listeners."""
+        rank = self.ownership.rank
+        gathered = []
+        for reduce in reduces:
+            if reduce.work is not None:
+                reduce.work.wait()
+            if reduce.holder != rank:
+                continue
+            if self.groups.replica is not None:  # HSDP: the replicas' sums meet at replica 0
+                reduce = self.ownership.reduce(reduce.members, self.ownership.owner_of[id(reduce.members[0])],
+                                               self.groups.replica, reduce.flat)
+            gathered.append(reduce)
+        everyone = self.size * self.groups.replicas
+        final: list[nn.Parameter] = []
+        for reduce in gathered:
+            if reduce.work is not None:
+                reduce.work.wait()
+            if self.is_mine(reduce.members[0]):
+                reduce.flat.div_(everyone)
+                for p, piece in zip(reduce.members, reduce.flat.split([p.numel() for p in reduce.members])):
+                    earlier = self._set_aside.pop(id(p), None)
+                    p.grad = piece.view_as(p) if earlier is None else earlier.add_(piece.view_as(p))
+                    self._averaged[id(p)] = p.grad
+                final += reduce.members
+        if final:
+            for listener in list(self._final_listeners.values()):
+                listener(final)
 
     def _restore_set_aside(self) -> None:
         """Averages set aside for a backward that reduced nothing (inside ``no_sync``, or none

@@ -23,8 +23,8 @@ other parameters, and the one all-reduce that agrees on skipped steps.
 The simulation is deterministic, O(buckets · ranks), and is the optimizer term of
 :func:`predict`, which adds forward+backward and the baselines from :mod:`dmuon.tools.costmodel`.
 
-Early start (:mod:`dmuon.early_start`; FSDP2, HSDP and DDP with dmuon's comm hook here, not owner
-mode) is modelled
+Early start (:mod:`dmuon.early_start`; FSDP2, HSDP, DDP with dmuon's comm hook and owner mode) is
+modelled
 on top: the work of every bucket but the last may run during the backward pass (two thirds of
 the forward+backward products), but only in the device time the backward pass leaves idle —
 ``HardwareProfile.backward_idle_fraction`` of it, 6 % on GPUs from one H200 measurement, 0 on
@@ -428,7 +428,7 @@ def ns_recipe(units: Sequence[Unit], configs: Sequence[NSConfig]) -> str:
 
 # The backward pass's share of the forward+backward products (2 of the 3 products per weight)
 BACKWARD_SHARE = 2 / 3
-EARLY_START_MODES = ("fsdp2", "hsdp", "ddp")
+EARLY_START_MODES = ("fsdp2", "hsdp", "ddp", "owner")
 
 
 def early_start_hidden(optimizer_step: float, buckets: int, backward: float, workload: Workload) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import warnings
 
 import pytest
@@ -28,6 +29,7 @@ def _same(a: dict, b: dict) -> None:
     (None, 1, torch.float32), (None, 1, torch.bfloat16),
     ("fsdp", 1, torch.float32), ("fsdp", 2, torch.float32), ("fsdp", 3, torch.float32),
     ("fsdp", 3, torch.bfloat16), ("hsdp", 4, torch.float32),
+    ("owner", 1, torch.float32), ("owner", 2, torch.float32), ("owner", 3, torch.bfloat16),
 ])
 def test_early_start_gives_the_same_bits_as_the_step_at_step(parallel, world, dtype):
     """On: every bucket begins in the backward pass (small buckets, so that there are several).
@@ -168,6 +170,55 @@ def test_ddp_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(worl
             assert torch.equal(value, off["params"][name]) and torch.equal(value, ons[0]["params"][name]), name
 
 
+def _owner_mlp(early_start: bool, accumulate: str | None = None) -> dict:
+    """Three steps of the 4-layer MLP owner-sharded (each Linear a layer), each over two
+    micro-batches where ``accumulate`` says how: "no_sync" (the first inside the sharding's
+    no_sync) or "twice" (two plain backward passes, both reduced)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _tiny()
+    sharding = dmuon.shard_by_owner(model, init_device_mesh("cpu", (dist.get_world_size(),)), layers=list(model))
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
+    torch.manual_seed(1 + dist.get_rank())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            for micro in range(1 if accumulate is None else 2):
+                first = micro == 0 and accumulate == "no_sync"
+                with sharding.no_sync() if first else contextlib.nullcontext():
+                    model(torch.randn(8, 32)).square().mean().backward()
+            opt.step()
+    # every rank's view of every parameter: broadcast from its owner
+    params = {}
+    for name, p in model.named_parameters():
+        owned = dmuon.layout.owned_by(p)
+        value = p.detach().clone() if owned is None or owned.is_mine else torch.empty_like(p)
+        if owned is not None:
+            dist.broadcast(value, src=owned.owner)
+        params[name] = value
+    return dict(params=params, status=opt.early_start, early_buckets=opt.last_step_stats.early_buckets,
+                warnings=sum("early start turned off" in str(w.message) for w in caught))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("accumulate", [None, "no_sync", "twice"])
+def test_owner_sharded_early_start_with_and_without_accumulation(world, accumulate):
+    """Owner sharding tells early start when each layer's reduce is done; with its no_sync the
+    reduce, and early start, come with the last micro-batch; two reduced backward passes change
+    the gradients after they were read: the step redoes the work and early start turns off.
+    The same bits as without early start, every time."""
+    ons, offs = (run_on_ranks(world, _owner_mlp, early, accumulate) for early in (True, False))
+    for on, off in zip(ons, offs):
+        if accumulate == "twice":
+            assert on["status"].startswith("off: the gradients changed") and on["warnings"] == 1
+        else:
+            assert on["status"] == "on" and on["warnings"] == 0 and on["early_buckets"][0] >= 1
+        for name, value in on["params"].items():
+            assert torch.equal(value, off["params"][name]) and torch.equal(value, ons[0]["params"][name]), name
+
+
 def _register(case: str) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
@@ -300,6 +351,26 @@ def test_an_abandoned_backward_is_not_applied():
 def test_early_start_true_where_it_cannot_run_raises_at_construction():
     with pytest.raises(ValueError, match="early_start=True: compile"):
         dmuon.Muon(_tiny(), early_start=True, compile=True)
+
+
+def _owner_across_replicas_with_early_start() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _tiny()
+    dmuon.shard_by_owner(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
+                         layers=list(model))
+    dmuon.Muon(model, early_start=True)
+
+
+def test_early_start_true_with_owner_sharding_across_replicas_raises_on_every_rank():
+    """HSDP owner sharding: the gradients are final only at the end of the backward pass. The
+    owners in replica 0 each name a matrix of theirs, the other ranks the first owner's."""
+    from tests.helpers import error_of
+
+    errors = run_on_ranks(4, error_of, _owner_across_replicas_with_early_start)
+    for error in errors:
+        assert re.match(r"ValueError: Invalid early_start=True: '\d.weight' is owner-sharded across replicas", error)
+    assert errors[2].endswith("(raised on rank 0; every rank stops here)") and errors[3] == errors[2]
 
 
 def _ddp_with_early_start_and_no_hook() -> None:
