@@ -11,14 +11,15 @@ Every configuration trains the same model from the same weights on the same batc
                      not on CPU)
     fsdp-dmuon       FSDP2 + dmuon.Muon (the same default)
     fsdp-dmuon-early the same with early_start=True: Newton–Schulz begun in the backward pass
-                     (ddp-dmuon-early likewise; ``-atstep``: early_start=False)
+                     (ddp-dmuon-early and ownerz2-dmuon-early likewise; ``-atstep``:
+                     early_start=False)
     ownerz2-dmuon    dmuon.shard_by_owner (Muon matrices whole on their owners, kept from forward
                      to backward) + FSDP2 for the rest + dmuon.Muon
     ownerz3-dmuon    the same, re-broadcasting the matrices in backward (less memory)
 
 The default run is the first six (the verdict's: dmuon against AdamW and vanilla Muon under
 each data-parallel mode); ``--device cuda`` adds ``ddp-dmuon-atstep`` and ``fsdp-dmuon-atstep``
-(early start off, which is on by default there) and ``ownerz2-dmuon``. On CPU the rest are on
+(early start off, which is on by default there), ``ownerz2-dmuon`` and ``ownerz2-dmuon-atstep``. On CPU the rest are on
 request (``--configs``): with more configurations the default run cannot settle its ratios in
 four minutes on two cores.
 
@@ -118,15 +119,15 @@ from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config, para
 
 # The default run (module docstring); the CUDA default adds early start off and owner sharding
 CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon")
-CUDA_CONFIGS = (*CONFIGS, "ddp-dmuon-atstep", "fsdp-dmuon-atstep", "ownerz2-dmuon")
+CUDA_CONFIGS = (*CONFIGS, "ddp-dmuon-atstep", "fsdp-dmuon-atstep", "ownerz2-dmuon", "ownerz2-dmuon-atstep")
 # Not run by default: dmuon with bf16 on the wire (comm_dtype=torch.bfloat16), to set beside the
 # exact default in the same run
 BF16_WIRE_CONFIGS = ("ddp-dmuon-bf16wire", "fsdp-dmuon-bf16wire")
 # On request: early start forced on (early_start=True; off by default on CPU) or off (on by default
 # on CUDA), owner sharding keeping the matrices from forward to backward (Z2) or re-broadcasting them
 # in backward (Z3: less memory, the same step as Z2's within noise)
-MORE_CONFIGS = ("ddp-dmuon-early", "fsdp-dmuon-early", "ddp-dmuon-atstep", "fsdp-dmuon-atstep", "ownerz2-dmuon",
-                "ownerz3-dmuon")
+MORE_CONFIGS = ("ddp-dmuon-early", "fsdp-dmuon-early", "ownerz2-dmuon-early", "ddp-dmuon-atstep",
+                "fsdp-dmuon-atstep", "ownerz2-dmuon-atstep", "ownerz2-dmuon", "ownerz3-dmuon")
 # What each data-parallel mode is compared with (AdamW and vanilla Muon of that mode).
 BASELINE_MODE = {"ddp": "ddp", "fsdp": "fsdp", "ownerz2": "fsdp", "ownerz3": "fsdp"}
 

@@ -151,6 +151,6 @@ def test_the_default_configurations_depend_on_the_device(monkeypatch):
                                                        "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert parsed("--device", "cuda").configs == [*bench.CONFIGS, "ddp-dmuon-atstep", "fsdp-dmuon-atstep",
-                                                              "ownerz2-dmuon"]
+                                                              "ownerz2-dmuon", "ownerz2-dmuon-atstep"]
     assert parsed("--device", "cuda", "--configs", "fsdp-adamw,fsdp-dmuon-early").configs == [
         "fsdp-adamw", "fsdp-dmuon-early"]
