@@ -83,8 +83,8 @@ class OwnerSharding:
         self._layers_done = 0  # layers whose gradients all arrived, this backward
         self._rest_ready: set[int] = set()
         # told which of this rank's parameters have their final (averaged) gradient, layer by
-        # layer during the backward pass (early start's; notify_final_gradients)
-        # (an OrderedDict: RemovableHandle holds it weakly, which a dict cannot be)
+        # layer during the backward pass (early start's; notify_final_gradients); an OrderedDict,
+        # as RemovableHandle holds it weakly, which a dict cannot be
         self._final_listeners: OrderedDict[int, Callable[[Sequence[nn.Parameter]], None]] = OrderedDict()
         self.rest_counter = CommCounter()
         self.last_step_bytes = 0
