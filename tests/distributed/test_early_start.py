@@ -14,7 +14,7 @@ import torch
 
 import dmuon
 from tests.harness import run_on_ranks
-from tests.helpers import single_process, train_llama
+from tests.helpers import single_process, train_llama, whole_params
 
 BUCKET = 4 * 1024  # bytes of Newton–Schulz input per owner: the tiny model in several buckets
 
@@ -190,15 +190,7 @@ def _owner_mlp(early_start: bool, accumulate: str | None = None) -> dict:
                 with sharding.no_sync() if first else contextlib.nullcontext():
                     model(torch.randn(8, 32)).square().mean().backward()
             opt.step()
-    # every rank's view of every parameter: broadcast from its owner
-    params = {}
-    for name, p in model.named_parameters():
-        owned = dmuon.layout.owned_by(p)
-        value = p.detach().clone() if owned is None or owned.is_mine else torch.empty_like(p)
-        if owned is not None:
-            dist.broadcast(value, src=owned.owner)
-        params[name] = value
-    return dict(params=params, status=opt.early_start, early_buckets=opt.last_step_stats.early_buckets,
+    return dict(params=whole_params(model), status=opt.early_start, early_buckets=opt.last_step_stats.early_buckets,
                 warnings=sum("early start turned off" in str(w.message) for w in caught))
 
 
