@@ -301,6 +301,39 @@ def _train(early_start, steps=3, between=None, accumulate=False, skip_at=None):
     return model, opt
 
 
+def _compiled_model(early_start: bool, ddp: bool) -> dict:
+    """Three steps of the MLP run through torch.compile (under DDP with dmuon's comm hook)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _tiny()
+    wrapped = DistributedDataParallel(model) if ddp else model
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
+    if ddp:
+        opt.register_ddp_comm_hook(wrapped)
+    run = torch.compile(wrapped)
+    torch.manual_seed(1)
+    for _ in range(3):
+        opt.zero_grad()
+        run(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+    return dict(params=[p.detach().clone() for p in model.parameters()], status=opt.early_start,
+                early_buckets=opt.last_step_stats.early_buckets)
+
+
+@pytest.mark.parametrize("ddp", [False, True])
+def test_a_model_compiled_with_torch_compile_gives_the_same_bits(ddp):
+    """torch.compile(model): its backward still accumulates into param.grad (the hooks fire) and
+    DDP still calls the comm hook; the same bits as without early start. (DDP's default buckets
+    hold this model in one, which is final only at step().)"""
+    if ddp:
+        ons, offs = (run_on_ranks(2, _compiled_model, early, True) for early in (True, False))
+    else:
+        ons, offs = ([single_process(_compiled_model, early, False)] for early in (True, False))
+    for on, off in zip(ons, offs):
+        assert on["status"] == "on" and (on["early_buckets"][0] >= 1 or ddp)
+        assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
+
+
 @pytest.mark.parametrize("case", ["clip", "accumulate", "scale"])
 def test_gradients_changed_after_backward_redo_the_work_and_turn_early_start_off(case):
     between = _CHANGES.get(case)
