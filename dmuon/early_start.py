@@ -10,8 +10,10 @@ module's gradients — while the backward pass goes on with earlier layers:
     step()                        finish the run → the ranks agree → apply the updates (or not)
 
 The plan's buckets are cut in the order the backward pass finishes gradients (the model's order
-reversed), and the run is the step plan's own staged run (:meth:`PlannedExchange.stages`), so
-the same calls run on the same values as in a step without early start: the same bits.
+reversed), and the run is the step plan's own staged run (:meth:`PlannedExchange.stages`; with
+several exchange groups, such as expert stacks beside matrices, one group's after the other's, as
+the engine runs them), so the same calls run on the same values as in a step without early
+start: the same bits.
 
 What runs early changes nothing the user can see: the momentum the Newton–Schulz input needs is
 computed out of place, and the updates are held until ``step()``. There the run is finished
@@ -84,6 +86,9 @@ USED, NOT_USED, CHANGED = 0, 1, 2
 # (the indices of some works, their updates, their norms or None): held until step()
 Held = tuple[Sequence[int], list[Tensor], Tensor | None]
 
+# a bucket of a step plan: (its strategy's position in the plan, its position in the strategy)
+Bucket = tuple[int, int]
+
 # a DDP bucket being all-reduced: (its parameters, their gradients in it, the all-reduce's future)
 Reducing = tuple[list[Tensor], list[Tensor], torch.futures.Future]
 
@@ -100,7 +105,7 @@ def unsupported_because(plan: StepPlan, compiled: bool, ddp: DDPReduction | None
     replicated parameters pass, as that hook may still be registered (at construction)."""
     if compiled:
         return "compile or cuda_graphs: the compiled step runs as a whole"
-    if len(plan.strategies) != 1 or not isinstance(plan.strategies[0], PlannedExchange):
+    if not all(isinstance(s, PlannedExchange) for s in plan.strategies):
         return "the plan has gangs, gathered layouts or distributed Newton-Schulz, which do not run in stages"
     for work in plan.works:
         p = work.param
@@ -180,22 +185,32 @@ def buffer_mark(buf: Tensor, group: dict[str, Any]) -> tuple:
     return id(buf), buf._version, group["momentum"], group["nesterov"]
 
 
+def _stages_in_turn(strategies: Sequence[PlannedExchange], values: EarlyValues, context: Context) -> Iterator[Bucket]:
+    """The strategies' staged runs one after the other (:meth:`PlannedExchange.stages`)."""
+    for s, strategy in enumerate(strategies):
+        for k in strategy.stages(values, context):
+            yield s, k
+
+
 class _Run:
     """One backward pass's early run of a step plan."""
 
     def __init__(self, plan: StepPlan, state: dict, context: Context, start_step: Callable[[], None],
                  stream: Any) -> None:
         self.plan = plan
-        strategy: PlannedExchange = plan.strategies[0]
         self.values = EarlyValues(plan, state)
         self.context, self.start_step, self.stream = context, start_step, stream
-        self.stages: Iterator[int] = strategy.stages(self.values, context)
+        # the exchange groups' planned exchanges one after the other, as the engine runs them;
+        # a bucket is (the strategy's position, the bucket's), in the order the stages reach them
+        self.stages: Iterator[Bucket] = _stages_in_turn(plan.strategies, self.values, context)
+        self.order: list[Bucket] = [(s, k) for s, strategy in enumerate(plan.strategies)
+                                    for k in range(len(strategy.buckets))]
         # the parameters each bucket waits for
-        self.waiting = [{id(plan.works[i].param) for i in strategy.buckets[k].indices}
-                        for k in range(len(strategy.buckets))]
+        self.waiting = {(s, k): {id(plan.works[i].param) for i in plan.strategies[s].buckets[k].indices}
+                        for s, k in self.order}
         self.seen: set[int] = set()
         self.started = False
-        self.next: int | None = 0 if self.waiting else None  # the bucket the run waits for
+        self.next: Bucket | None = self.order[0] if self.order else None  # the bucket the run waits for
         self.repeated = False  # a gradient was final twice (a second backward pass)
         self.reducing: Reducing | None = None  # DDP's bucket whose all-reduce was started last
 
@@ -205,7 +220,7 @@ class _Run:
             self.repeated = True
             return
         self.seen.add(id(p))
-        for waiting in self.waiting:
+        for waiting in self.waiting.values():
             waiting.discard(id(p))
         while self.next is not None and not self.waiting[self.next]:
             self._advance()
@@ -231,7 +246,7 @@ class _Run:
 
     def finish(self) -> None:
         """Run what is left (at ``step()``): every rank issues the rest of its collectives."""
-        begun = len(self.waiting) if self.next is None else self.next
+        begun = len(self.order) if self.next is None else self.order.index(self.next)
         if self.reducing is not None:  # DDP's last bucket: its all-reduce is done by now
             self._ready_reduced(self.reducing)
             self.reducing = None
@@ -241,7 +256,7 @@ class _Run:
             torch.cuda.current_stream().wait_stream(self.stream)
         stats, counter = self.context.stats, self.context.counter
         stats.bytes_sent, stats.collectives = counter.bytes_sent, counter.collectives
-        stats.early_buckets = (begun, len(self.waiting))
+        stats.early_buckets = (begun, len(self.order))
 
     def _advance(self) -> None:
         if not self.started:

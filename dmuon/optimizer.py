@@ -17,7 +17,6 @@ from dmuon import param_groups
 from dmuon.agreement import Fingerprint, agree_on_step, agreed_call, digest_words, issued_number, record_number
 from dmuon.early_start import (
     CHANGED,
-    NOT_USED,
     USED,
     DDPReduction,
     EarlyStart,
@@ -414,10 +413,12 @@ class Muon(torch.optim.Optimizer):
         if run is None:
             self._engine.start_step()
         self._update_squares = {}
+        # a rank without a run has nothing of its own to redo: where ranks' plans differ (owner
+        # sharding, a rank that steps nothing) they exchange nothing; elsewhere none has a run
         params, here, left_alone, early = agree_on_step(
             self._prepare_step, self.defaults["nonfinite_grads"], self._agreement_group(), self._collective_device,
             self._step_fingerprint, self._engine.counter, lambda: param_groups.all_names(self.param_groups),
-            lambda: run.code(self.state) if run is not None else NOT_USED)
+            lambda: run.code(self.state) if run is not None else USED)
         self._steps_taken += 1
         if early == CHANGED:
             self._early.turn_off("the gradients changed between the backward pass and step() (a second backward "

@@ -170,14 +170,14 @@ def test_ddp_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(worl
             assert torch.equal(value, off["params"][name]) and torch.equal(value, ons[0]["params"][name]), name
 
 
-def _owner_mlp(early_start: bool, accumulate: str | None = None) -> dict:
-    """Three steps of the 4-layer MLP owner-sharded (each Linear a layer), each over two
-    micro-batches where ``accumulate`` says how: "no_sync" (the first inside the sharding's
-    no_sync) or "twice" (two plain backward passes, both reduced)."""
+def _owner_mlp(early_start: bool, accumulate: str | None = None, layers: int = 4) -> dict:
+    """Three steps of the MLP owner-sharded (each Linear a layer), each over two micro-batches
+    where ``accumulate`` says how: "no_sync" (the first inside the sharding's no_sync) or "twice"
+    (two plain backward passes, both reduced)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    model = _tiny()
+    model = _tiny(layers=layers)
     sharding = dmuon.shard_by_owner(model, init_device_mesh("cpu", (dist.get_world_size(),)), layers=list(model))
     opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
     torch.manual_seed(1 + dist.get_rank())
@@ -209,6 +209,65 @@ def test_owner_sharded_early_start_with_and_without_accumulation(world, accumula
             assert on["status"] == "on" and on["warnings"] == 0 and on["early_buckets"][0] >= 1
         for name, value in on["params"].items():
             assert torch.equal(value, off["params"][name]) and torch.equal(value, ons[0]["params"][name]), name
+
+
+def test_owner_sharded_early_start_with_a_rank_that_owns_nothing():
+    """Two matrices over three ranks: the rank that owns none has no run, and nothing of its own
+    to redo; the owners use what they began in the backward pass (its buckets counted in the
+    step's statistics), with the same bits as without early start."""
+    ons, offs = (run_on_ranks(3, _owner_mlp, early, None, 2) for early in (True, False))
+    for rank, (on, off) in enumerate(zip(ons, offs)):
+        begun, buckets = on["early_buckets"]
+        assert (buckets > 0) == (rank < 2) and begun == buckets, (rank, on["early_buckets"])
+        for name, value in on["params"].items():
+            assert torch.equal(value, off["params"][name]), name
+
+
+class _Experts(torch.nn.Module):
+    """A stack of four 32×32 expert matrices, every one applied to every input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 32, 32) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bd,edk->bk", x, self.w) / 4
+
+
+def _expert_stacks(early_start: bool) -> dict:
+    """Three steps of linear layers and expert stacks, each module fully_shard-ed: the stacks
+    (sharded on the expert dim) are orthogonalized where they live, in a plan of their own."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), _Experts(), torch.nn.Linear(32, 32), _Experts(),
+                                torch.nn.Linear(32, 32))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in model:
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
+    torch.manual_seed(1 + dist.get_rank())
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+    return dict(params=whole_params(model), status=opt.early_start, early_buckets=opt.last_step_stats.early_buckets,
+                strategies=len(opt._plan.strategies))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_expert_stacks_and_matrices_under_fsdp2_give_the_same_bits(world):
+    """Two exchange groups (the expert stacks, the matrices): their staged runs one after the
+    other, every bucket begun in the backward pass, the same bits as without early start."""
+    ons, offs = (run_on_ranks(world, _expert_stacks, early) for early in (True, False))
+    for on, off in zip(ons, offs):
+        begun, buckets = on["early_buckets"]
+        assert on["status"] == "on" and on["strategies"] == 2 and begun == buckets > 1
+        for name, value in on["params"].items():
+            assert torch.equal(value, off["params"][name]), name
 
 
 def _register(case: str) -> None:
@@ -277,9 +336,9 @@ def test_the_default_is_off_on_cpu_and_says_why():
     assert opt.last_step_stats.early_buckets == (0, 0)
 
 
-def _tiny(seed: int = 0) -> torch.nn.Module:
+def _tiny(seed: int = 0, layers: int = 4) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)])
 
 
 def _train(early_start, steps=3, between=None, accumulate=False, skip_at=None):
