@@ -164,6 +164,9 @@ def predictions_table(p: Prediction, whole: Prediction | None = None) -> str:
         lines.append(f"early start: {p.early_start_hidden_ms:.1f} ms of the optimizer step run in the backward pass's "
                      "idle device time (an assumed 6 % of it, from one H200 measurement); its row's optimizer step "
                      "is what is left after the backward pass, of the whole-matrix plan")
+        if p.dmuon_early_step_ms > p.dmuon_step_ms:
+            lines.append("early start is predicted slower here than the step's own plan (its buckets follow the "
+                         "backward pass and keep every matrix whole): pass early_start=False")
     if p.split_matrices:
         gangs = p.split_matrices - p.column_block_matrices
         parts = ([f"{gangs} matrices over gangs of {p.gang_size} ranks"] if gangs else []) + (

@@ -284,6 +284,11 @@ def test_plan_command(tmp_path, capsys):
     assert main(["plan", "--model", "llama-3.1-8b", "--world-size", "512", "--no-split"]) == 0
     text = capsys.readouterr().out
     assert "splits" not in text and "matrices whole" not in text
+    # early start predicted slower (DDP at 64): the table says what to do
+    assert main(["plan", "--model", "llama-3.1-8b", "--world-size", "64", "--mode", "ddp"]) == 0
+    assert "early start is predicted slower here" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama-3.1-8b", "--world-size", "8", "--mode", "ddp"]) == 0
+    assert "early start is predicted slower" not in capsys.readouterr().out
     # cpu: the MFU and the element-wise efficiency are measured on one rank, now
     assert main(["plan", "--model", "bench", "--layers", "1", "--world-size", "2", "--hardware", "cpu",
                  "--tokens-per-step", "128", "--seq-len", "64", "--json", str(out)]) == 0
