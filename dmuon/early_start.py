@@ -21,10 +21,12 @@ computed out of place, and the updates are held until ``step()``. There the run 
 the held updates are applied only if every rank can use them: no rank skipped the step
 (non-finite gradients), the step stepped the same parameters with the same plan, and on every
 rank every gradient and momentum buffer is the tensor, at the version, that the run read. A
-gradient changed after it was read — a second backward (gradient accumulation without FSDP2's
-``set_requires_gradient_sync(False)``), clipping or unscaling between ``backward()`` and
-``step()`` — makes the step run as without early start, and early start turns itself off with a
-warning, since it would only repeat work. Changes through ``.data`` escape that check.
+gradient changed after it was read — a second backward (gradient accumulation outside
+``Muon.accumulating()``, the layouts' ``no_sync()`` or FSDP2's
+``set_requires_gradient_sync(False)``, which keep earlier micro-batches from starting anything),
+clipping or unscaling between ``backward()`` and ``step()`` — makes the step run as without
+early start, and early start turns itself off with a warning, since it would only repeat work.
+Changes through ``.data`` escape that check.
 
 Memory: the held updates are one tensor per Muon parameter (this rank's piece), as large as the
 momentum; with the momentum, the state is then AdamW's two tensors per parameter.
@@ -314,6 +316,7 @@ class EarlyStart:
         self._run: _Run | None = None
         self._stream: Any = None
         self.ddp: DDPReduction | None = None  # the comm hook of a DDP model, once registered
+        self.paused = False  # inside Muon.accumulating(): gradients are not final yet
 
     def arm(self, plan: StepPlan | None, state: dict, context: Context, start_step: Callable[[], None],
             compiled: bool) -> None:
@@ -351,11 +354,11 @@ class EarlyStart:
             raise ValueError(f"Invalid early_start=True: {why}. Pass early_start=None (where supported) or False.")
 
     def _ready(self, p: Tensor) -> None:
-        if self._run is not None:
+        if self._run is not None and not self.paused:
             self._run.ready(p)
 
     def _reduced(self, bucket: Reducing) -> None:
-        if self._run is not None:
+        if self._run is not None and not self.paused:
             self._run.reduced(bucket)
 
     def finish(self) -> _Run | None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -423,7 +424,9 @@ class Muon(torch.optim.Optimizer):
         if early == CHANGED:
             self._early.turn_off("the gradients changed between the backward pass and step() (a second backward "
                                  "pass for gradient accumulation, or clipping or unscaling them), so its work was "
-                                 "redone; under FSDP2, accumulate with set_requires_gradient_sync(False) instead")
+                                 "redone; accumulate with all but the last micro-batch inside optimizer.accumulating() "
+                                 "instead (or DDP's or owner sharding's no_sync(), FSDP2's "
+                                 "set_requires_gradient_sync(False))")
         if left_alone is None:
             self.skipped_steps += 1
             self._arm_early_start()
@@ -520,6 +523,19 @@ class Muon(torch.optim.Optimizer):
         self._plan = None  # early start's plan, where it can now run
         self._order_buckets()
         self._arm_early_start()
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Gradient accumulation with early start: the backward passes inside (every micro-batch
+        but the last) begin nothing, as their gradients are not final; the last one's, outside,
+        begins the step's work. DDP's and owner sharding's ``no_sync()`` and FSDP2's
+        ``set_requires_gradient_sync(False)`` do this already for their layouts. This rank only:
+        not collective."""
+        previous, self._early.paused = self._early.paused, True
+        try:
+            yield
+        finally:
+            self._early.paused = previous
 
     @property
     def early_start(self) -> str:

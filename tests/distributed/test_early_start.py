@@ -341,8 +341,10 @@ def _tiny(seed: int = 0, layers: int = 4) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)])
 
 
-def _train(early_start, steps=3, between=None, accumulate=False, skip_at=None):
-    """A few steps of a 4-layer MLP; ``between(model)`` runs between backward() and step()."""
+def _train(early_start, steps=3, between=None, accumulate=False, skip_at=None, accumulating=False):
+    """A few steps of a 4-layer MLP; ``between(model)`` runs between backward() and step();
+    ``accumulate``: a second micro-batch, the first one's backward inside ``opt.accumulating()``
+    with ``accumulating``."""
     model = _tiny()
     opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
     torch.manual_seed(1)
@@ -351,7 +353,8 @@ def _train(early_start, steps=3, between=None, accumulate=False, skip_at=None):
         if step == skip_at:
             x[0, 0] = float("nan")  # non-finite gradients from the backward pass itself
         opt.zero_grad()
-        model(x).square().mean().backward()
+        with opt.accumulating() if accumulating else contextlib.nullcontext():
+            model(x).square().mean().backward()
         if accumulate:
             model(2 * x).square().mean().backward()
         if between is not None:
@@ -402,6 +405,20 @@ def test_gradients_changed_after_backward_redo_the_work_and_turn_early_start_off
         model, opt = _train(True, between=between, accumulate=case == "accumulate")
     assert opt.early_start.startswith("off: the gradients changed")
     assert sum("early start turned off" in str(w.message) for w in caught) == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_accumulation_inside_accumulating_starts_with_the_last_micro_batch():
+    """One process has no no_sync: opt.accumulating() keeps the first micro-batch's hooks from
+    starting anything, so the last one's start the step's work: early start stays on, no
+    warning, the same bits as without it."""
+    reference, _ = _train(False, accumulate=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = _train(True, accumulate=True, accumulating=True)
+    assert opt.early_start == "on" and not [w for w in caught if "early start" in str(w.message)]
+    begun, buckets = opt.last_step_stats.early_buckets
+    assert begun == buckets > 1
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
