@@ -234,3 +234,25 @@ def error_of(fn, *args) -> str | None:
     except Exception as err:  # noqa: BLE001 - the test inspects whichever error it was
         return f"{type(err).__name__}: {err}"
     return None
+
+
+# ---------------------------------------------------------------- early start
+
+SMALL_BUCKET_BYTES = 4 * 1024  # bytes of Newton–Schulz input per owner: the tiny models in several buckets
+
+# what a training loop may do to the gradients between backward() and step()
+GRADIENT_CHANGES = {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3),
+                    "scale": lambda m: [p.grad.mul_(0.5) for p in m.parameters()]}
+
+
+def tiny_mlp(seed: int = 0, layers: int = 4) -> nn.Module:
+    """``layers`` Linear(32, 32): a 32×32 Muon matrix and an AdamW bias each."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)])
+
+
+def assert_same_run(a: dict, b: dict) -> None:
+    """Two of :func:`train_llama`'s results: the same losses and bitwise the same parameters."""
+    assert a["losses"] == b["losses"]
+    for name, value in a["params"].items():
+        assert torch.equal(value, b["params"][name]), name
