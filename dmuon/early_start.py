@@ -334,8 +334,9 @@ class EarlyStart:
             self._remove_hooks()
             return
         # DDP's parameters: its comm hook says when they are final; owner-sharded ones: their sharding
-        hooked = [p for p in params if (self.ddp is None or id(p) not in self.ddp.params) and owned_by(p) is None]
-        shardings = {id(owned_by(p).sharding): owned_by(p).sharding for p in params if owned_by(p) is not None}
+        owned = [owned_by(p) for p in params]
+        hooked = [p for p, o in zip(params, owned) if o is None and (self.ddp is None or id(p) not in self.ddp.params)]
+        shardings = {id(o.sharding): o.sharding for o in owned if o is not None}
         if set(self._hooks) != {id(p) for p in hooked} | set(shardings):
             self._remove_hooks()
             ready = partial(_ready_weakly, weakref.ref(self))
@@ -392,17 +393,16 @@ class EarlyStart:
 class DDPReduction:
     """The state of dmuon's DDP comm hook (:func:`reduce_ddp_bucket`): the DDP model's parameters
     and process group, and the early start it hands buckets to (held weakly: a model that
-    outlives its optimizer still reduces its gradients, and only that; ``active`` once the ranks
+    outlives its optimizer still reduces its gradients, and only that; None until the ranks
     agreed on it). One per model (:meth:`of`): DDP takes one comm hook, and an optimizer made
     later for the same model takes the hook over."""
 
     _of_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, model: Any) -> None:
-        self.early: weakref.ref | None = None  # set by hand_to, with active
+        self.early: weakref.ref | None = None  # set by hand_to
         self.params = {id(p) for p in model.parameters()}
         self.process_group = model.process_group
-        self.active = False
 
     @classmethod
     def of(cls, model: Any) -> DDPReduction:
@@ -418,7 +418,6 @@ class DDPReduction:
     def hand_to(self, early: EarlyStart) -> None:
         """From now on, hand the buckets to ``early`` (all ranks agreed)."""
         self.early = weakref.ref(early)
-        self.active = True
 
 
 # unannotated: DDP checks the annotations against dist.GradBucket and Future[Tensor], which this
@@ -431,7 +430,7 @@ def reduce_ddp_bucket(state, bucket):  # noqa: ANN001, ANN201
     buffer = bucket.buffer()
     buffer.mul_(1.0 / state.process_group.size())
     done = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
-    early = state.early() if state.active else None
+    early = state.early() if state.early is not None else None
     if early is not None:
         early._reduced((bucket.parameters(), bucket.gradients(), done))
     return done.then(_the_tensor)
@@ -449,11 +448,9 @@ def _ready_weakly(early: weakref.ref, p: Tensor) -> None:
 
 
 def _final_weakly(early: weakref.ref, params: Sequence[Tensor]) -> None:
-    """An owner sharding's listener: tell its optimizer's early start, if that still exists."""
-    alive = early()
-    if alive is not None:
-        for p in params:
-            alive._ready(p)
+    """An owner sharding's listener: each parameter as its hook would (:func:`_ready_weakly`)."""
+    for p in params:
+        _ready_weakly(early, p)
 
 
 def _remove(hooks: dict[int, Any]) -> None:

@@ -19,9 +19,9 @@ Every configuration trains the same model from the same weights on the same batc
 
 The default run is the first six (the verdict's: dmuon against AdamW and vanilla Muon under
 each data-parallel mode); ``--device cuda`` adds ``ddp-dmuon-atstep`` and ``fsdp-dmuon-atstep``
-(early start off, which is on by default there), ``ownerz2-dmuon`` and ``ownerz2-dmuon-atstep``. On CPU the rest are on
-request (``--configs``): with more configurations the default run cannot settle its ratios in
-four minutes on two cores.
+(early start off, which is on by default there), ``ownerz2-dmuon`` and ``ownerz2-dmuon-atstep``.
+On CPU the rest are on request (``--configs``): with more configurations the default run cannot
+settle its ratios in four minutes on two cores.
 
 With ``--peers``, every other distributed Muon implementation that is installed (``pip install
 'dmuon[peers]'``, and Dion from its repository; see :mod:`dmuon.tools.peers`) joins as

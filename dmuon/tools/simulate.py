@@ -23,8 +23,7 @@ other parameters, and the one all-reduce that agrees on skipped steps.
 The simulation is deterministic, O(buckets · ranks), and is the optimizer term of
 :func:`predict`, which adds forward+backward and the baselines from :mod:`dmuon.tools.costmodel`.
 
-Early start (:mod:`dmuon.early_start`; FSDP2, HSDP, DDP with dmuon's comm hook and owner mode) is
-modelled
+Early start (:mod:`dmuon.early_start`; in every mode: under DDP with dmuon's comm hook) is modelled
 on top: the work of every bucket but the last may run during the backward pass (two thirds of
 the forward+backward products), but only in the device time the backward pass leaves idle —
 ``HardwareProfile.backward_idle_fraction`` of it, 6 % on GPUs from one H200 measurement, 0 on
@@ -428,12 +427,11 @@ def ns_recipe(units: Sequence[Unit], configs: Sequence[NSConfig]) -> str:
 
 # The backward pass's share of the forward+backward products (2 of the 3 products per weight)
 BACKWARD_SHARE = 2 / 3
-EARLY_START_MODES = ("fsdp2", "hsdp", "ddp", "owner")
 
 
 def early_start_hidden(optimizer_step: float, buckets: int, backward: float, workload: Workload) -> float:
     """Seconds of the optimizer step early start hides in the backward pass (module docstring)."""
-    if workload.mode not in EARLY_START_MODES or buckets < 1:
+    if buckets < 1:
         return 0.0
     return min(optimizer_step * (1 - 1 / buckets), workload.profile.backward_idle_fraction * backward)
 
@@ -471,7 +469,7 @@ def predict(workload: Workload, model: str = "") -> Prediction:
     # early start's own plan: every matrix whole (it does not run gangs), buckets in the backward
     # pass's order
     early_opt, hidden = dmuon_opt, 0.0
-    if workload.mode in EARLY_START_MODES and workload.profile.backward_idle_fraction:
+    if workload.profile.backward_idle_fraction:
         early = dataclasses.replace(workload, split=False, ready_order=True)
         early_plan, early_configs, _ = split_plan(early)
         early_opt = simulate_optimizer_step(early_plan, early_configs, early).max().item()
