@@ -245,10 +245,10 @@ GRADIENT_CHANGES = {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameter
                     "scale": lambda m: [p.grad.mul_(0.5) for p in m.parameters()]}
 
 
-def tiny_mlp(seed: int = 0, layers: int = 4) -> nn.Module:
-    """``layers`` Linear(32, 32): a 32×32 Muon matrix and an AdamW bias each."""
+def tiny_mlp(seed: int = 0, layers: int = 4, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``layers`` Linear(32, 32): a 32×32 Muon matrix and an AdamW bias each, in ``dtype``."""
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)])
+    return nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)]).to(dtype)
 
 
 def assert_same_run(a: dict, b: dict) -> None:

@@ -115,16 +115,16 @@ class _Experts(torch.nn.Module):
         return torch.einsum("bd,edk->bk", x, self.w) / 4
 
 
-def _expert_stacks(early_start: bool) -> dict:
-    """Three steps of linear layers and expert stacks, each module fully_shard-ed: the stacks
-    (sharded on the expert dim) are orthogonalized where they live, in a plan of their own."""
+def _expert_stacks(early_start: bool, dtype: torch.dtype) -> dict:
+    """Three steps of linear layers and expert stacks in ``dtype``, each module fully_shard-ed: the
+    stacks (sharded on the expert dim) are orthogonalized where they live, in a plan of their own."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), _Experts(), torch.nn.Linear(32, 32), _Experts(),
-                                torch.nn.Linear(32, 32))
+                                torch.nn.Linear(32, 32)).to(dtype)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for module in model:
         fully_shard(module, mesh=mesh)
@@ -133,17 +133,17 @@ def _expert_stacks(early_start: bool) -> dict:
     torch.manual_seed(1 + dist.get_rank())
     for _ in range(3):
         opt.zero_grad()
-        model(torch.randn(8, 32)).square().mean().backward()
+        model(torch.randn(8, 32, dtype=dtype)).square().mean().backward()
         opt.step()
     return dict(params=whole_params(model), status=opt.early_start, early_buckets=opt.last_step_stats.early_buckets,
                 strategies=len(opt._plan.strategies))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_expert_stacks_and_matrices_under_fsdp2_give_the_same_bits(world):
+@pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.float32), (3, torch.bfloat16)])
+def test_expert_stacks_and_matrices_under_fsdp2_give_the_same_bits(world, dtype):
     """Two exchange groups (the expert stacks, the matrices): their staged runs one after the
     other, every bucket begun in the backward pass, the same bits as without early start."""
-    ons, offs = (run_on_ranks(world, _expert_stacks, early) for early in (True, False))
+    ons, offs = (run_on_ranks(world, _expert_stacks, early, dtype) for early in (True, False))
     for on, off in zip(ons, offs):
         begun, buckets = on["early_buckets"]
         assert on["status"] == "on" and on["strategies"] == 2 and begun == buckets > 1
@@ -157,15 +157,16 @@ def test_the_default_is_off_on_cpu_and_says_why():
     assert opt.last_step_stats.early_buckets == (0, 0)
 
 
-def _train(early_start, steps=3, between=None, accumulate=False, skip_at=None, accumulating=False):
-    """A few steps of a 4-layer MLP; ``between(model)`` runs between backward() and step();
-    ``accumulate``: a second micro-batch, the first one's backward inside ``opt.accumulating()``
-    with ``accumulating``."""
-    model = tiny_mlp()
+def _train(early_start, steps=3, between=None, accumulate=False, skip_at=None, accumulating=False,
+           dtype=torch.float32):
+    """A few steps of a 4-layer MLP in ``dtype``; ``between(model)`` runs between backward() and
+    step(); ``accumulate``: a second micro-batch, the first one's backward inside
+    ``opt.accumulating()`` with ``accumulating``."""
+    model = tiny_mlp(dtype=dtype)
     opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
     torch.manual_seed(1)
     for step in range(steps):
-        x = torch.randn(8, 32)
+        x = torch.randn(8, 32, dtype=dtype)
         if step == skip_at:
             x[0, 0] = float("nan")  # non-finite gradients from the backward pass itself
         opt.zero_grad()
@@ -179,11 +180,12 @@ def _train(early_start, steps=3, between=None, accumulate=False, skip_at=None, a
     return model, opt
 
 
-def _compiled_model(early_start: bool, ddp: bool) -> dict:
-    """Three steps of the MLP run through torch.compile (under DDP with dmuon's comm hook)."""
+def _compiled_model(early_start: bool, ddp: bool, dtype: torch.dtype) -> dict:
+    """Three steps of the MLP in ``dtype`` run through torch.compile (under DDP with dmuon's comm
+    hook)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    model = tiny_mlp()
+    model = tiny_mlp(dtype=dtype)
     wrapped = DistributedDataParallel(model) if ddp else model
     opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
     if ddp:
@@ -192,21 +194,22 @@ def _compiled_model(early_start: bool, ddp: bool) -> dict:
     torch.manual_seed(1)
     for _ in range(3):
         opt.zero_grad()
-        run(torch.randn(8, 32)).square().mean().backward()
+        run(torch.randn(8, 32, dtype=dtype)).square().mean().backward()
         opt.step()
     return dict(params=[p.detach().clone() for p in model.parameters()], status=opt.early_start,
                 early_buckets=opt.last_step_stats.early_buckets)
 
 
-@pytest.mark.parametrize("ddp", [False, True])
-def test_a_model_compiled_with_torch_compile_gives_the_same_bits(ddp):
+@pytest.mark.parametrize("ddp,dtype", [(False, torch.float32), (False, torch.bfloat16), (True, torch.float32),
+                                       (True, torch.bfloat16)])
+def test_a_model_compiled_with_torch_compile_gives_the_same_bits(ddp, dtype):
     """torch.compile(model): its backward still accumulates into param.grad (the hooks fire) and
     DDP still calls the comm hook; the same bits as without early start. (DDP's default buckets
     hold this model in one, which is final only at step().)"""
     if ddp:
-        ons, offs = (run_on_ranks(2, _compiled_model, early, True) for early in (True, False))
+        ons, offs = (run_on_ranks(2, _compiled_model, early, True, dtype) for early in (True, False))
     else:
-        ons, offs = ([single_process(_compiled_model, early, False)] for early in (True, False))
+        ons, offs = ([single_process(_compiled_model, early, False, dtype)] for early in (True, False))
     for on, off in zip(ons, offs):
         assert on["status"] == "on" and (on["early_buckets"][0] >= 1 or ddp)
         assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
@@ -224,14 +227,15 @@ def test_gradients_changed_after_backward_redo_the_work_and_turn_early_start_off
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
-def test_accumulation_inside_accumulating_starts_with_the_last_micro_batch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulation_inside_accumulating_starts_with_the_last_micro_batch(dtype):
     """One process has no no_sync: opt.accumulating() keeps the first micro-batch's hooks from
     starting anything, so the last one's start the step's work: early start stays on, no
     warning, the same bits as without it."""
-    reference, _ = _train(False, accumulate=True)
+    reference, _ = _train(False, accumulate=True, dtype=dtype)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, opt = _train(True, accumulate=True, accumulating=True)
+        model, opt = _train(True, accumulate=True, accumulating=True, dtype=dtype)
     assert opt.early_start == "on" and not [w for w in caught if "early start" in str(w.message)]
     begun, buckets = opt.last_step_stats.early_buckets
     assert begun == buckets > 1

@@ -50,11 +50,12 @@ def test_ddp_with_dmuons_comm_hook_gives_the_same_bits(world, dtype, view):
 
 
 @pytest.mark.parametrize("option", ["find_unused_parameters", "static_graph"])
-def test_ddp_options_with_dmuons_comm_hook_give_the_same_bits(option):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ddp_options_with_dmuons_comm_hook_give_the_same_bits(option, dtype):
     """DDP's find_unused_parameters and static_graph change when and how it marks gradients
     ready; with the comm hook, early start still gives plain DDP's bits."""
     ddp = dict(DDP_BUCKETS, **{option: True})
-    on, plain = (run_on_ranks(2, train_llama, "ddp", None, torch.float32, False, early, SMALL_BUCKET_BYTES, None,
+    on, plain = (run_on_ranks(2, train_llama, "ddp", None, dtype, False, early, SMALL_BUCKET_BYTES, None,
                               hook, ddp)
                  for early, hook in ((True, True), (False, False)))
     for rank in range(2):
@@ -137,10 +138,13 @@ def test_ddp_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(worl
 
 
 def _register(case: str) -> None:
+    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    model = DistributedDataParallel(tiny_mlp())
+    # "other ranks": each rank's DDP model reduces over that rank alone, the optimizer over both
+    alone, _ = dist.new_subgroups(1) if case == "other ranks" else (None, None)
+    model = DistributedDataParallel(tiny_mlp(), process_group=alone)
     opt = dmuon.Muon(model)
     if case == "their hook":
         model.register_comm_hook(None, allreduce_hook)
@@ -158,6 +162,16 @@ def test_register_ddp_comm_hook_misuse_raises_on_every_rank(case, pattern):
     from tests.helpers import assert_same_error, error_of
 
     assert_same_error(run_on_ranks(2, error_of, _register, case), pattern)
+
+
+def test_register_ddp_comm_hook_with_a_ddp_model_over_other_ranks_raises_on_every_rank():
+    """Each rank's DDP model reduces over that rank alone: every rank fails the check, and says
+    which ranks its own DDP model reduces over."""
+    from tests.helpers import error_of
+
+    for rank, error in enumerate(run_on_ranks(2, error_of, _register, "other ranks")):
+        assert error == (f"ValueError: The DDP model reduces over ranks [{rank}], this optimizer works over ranks "
+                         "[0, 1]: pass the DDP model's process group to dmuon.Muon(process_group=...).")
 
 
 def _a_second_optimizer_for_the_same_ddp_model() -> dict:
