@@ -20,13 +20,16 @@ computed out of place, and the updates are held until ``step()``. There the run 
 (every rank issues the rest of its collectives, so none is left waiting), the ranks agree, and
 the held updates are applied only if every rank can use them: no rank skipped the step
 (non-finite gradients), the step stepped the same parameters with the same plan, and on every
-rank every gradient and momentum buffer is the tensor, at the version, that the run read. A
-gradient changed after it was read — a second backward (gradient accumulation outside
-``Muon.accumulating()``, the layouts' ``no_sync()`` or FSDP2's
+rank every gradient and momentum buffer is the tensor, at the version and with the values, that
+the run read. A gradient changed after it was read — a second backward (gradient accumulation
+outside ``Muon.accumulating()``, the layouts' ``no_sync()`` or FSDP2's
 ``set_requires_gradient_sync(False)``, which keep earlier micro-batches from starting anything),
 clipping or unscaling between ``backward()`` and ``step()`` — makes the step run as without
 early start, and early start turns itself off with a warning, since it would only repeat work.
-Changes through ``.data`` escape that check.
+A change is found by the gradient's version counter, or where that stays as it was (GradScaler's
+unscaling, foreach ops on DTensors such as ``clip_grad_norm_``'s, writes through ``.data``) by
+the sum of its bits, which any scaling and any change of one element moves; a change that leaves
+both (a permutation of a gradient's elements through ``.data``) would escape it.
 
 Memory: the held updates are one tensor per Muon parameter (this rank's piece), as large as the
 momentum; with the momentum, the state is then AdamW's two tensors per parameter.
@@ -80,7 +83,7 @@ from dmuon.step_plan import StepPlan
 from dmuon.step_values import StepValues
 from dmuon.strategies.base import Context
 from dmuon.strategies.planned import PlannedExchange
-from dmuon.tensors import local, same_bits
+from dmuon.tensors import bit_sum, local, same_bits
 
 # what each rank's run can be used for at step() (the ranks agree on the highest)
 USED, NOT_USED, CHANGED = 0, 1, 2
@@ -160,7 +163,8 @@ class EarlyValues(StepValues):
             moved = torch._foreach_lerp(bufs, grads, 1 - group["momentum"])  # the step's lerp_, out of place
             for p, final, g, b, m in zip(params, finals, grads, bufs, moved):
                 self.grads_and_buffers[id(p)] = (g, m)
-                self.read[id(p)] = Read(final, g._version if final is not None else None, buffer_mark(b, group))
+                self.read[id(p)] = Read(final, g._version, bit_sum(g), buffer_mark(b, group)) if final is not None \
+                    else Read(None, None, None, buffer_mark(b, group))
         try:
             return super().inputs(indices)
         finally:
@@ -179,6 +183,7 @@ class Read(NamedTuple):
 
     grad: Tensor | None  # the gradient read (None: missing)
     grad_version: int | None  # its version then
+    grad_bits: Tensor | None  # its :func:`~dmuon.tensors.bit_sum` then
     buffer: tuple  # the momentum buffer (object and version) and the momentum options
 
 
@@ -277,13 +282,16 @@ class _Run:
         same momentum options; 1 when a gradient is missing or the state changed (a loaded state
         dict, a changed momentum); 2 when a gradient changed after it was read.
 
-        A gradient is unchanged when the tensor read is at the version read and ``param.grad`` is
-        that tensor, or (DDP without ``gradient_as_bucket_view``, which copies its reduced bucket
-        into ``param.grad`` at the end of the backward pass) has its bits."""
+        A gradient is unchanged when the tensor read is at the version read, ``param.grad`` has
+        the bit sum read (some in-place changes leave the version as it was: GradScaler's
+        unscaling, foreach ops on DTensors), and ``param.grad`` is the tensor read or (DDP, which
+        copies its reduced bucket into ``param.grad`` at the end of the backward pass) has its
+        bits."""
         if self.repeated:
             return CHANGED
         code = USED
         copies = []  # (param.grad, the tensor read), to compare by their bits
+        sums = []  # (param.grad's bit sum now, then)
         for work in self.plan.works:
             p = work.param
             read = self.values.read.get(id(p))
@@ -295,11 +303,12 @@ class _Run:
                 continue
             if local(read.grad)._version != read.grad_version:
                 return CHANGED
-            if p.grad is not read.grad:
+            if p.grad is not read.grad:  # (under DDP's gradient_as_bucket_view, two views of one bucket)
                 copies.append((local(p.grad), local(read.grad)))
+            sums.append((bit_sum(local(p.grad)), read.grad_bits))
             if read.buffer != buffer_mark(local(buf), work.param_group):
                 code = max(code, NOT_USED)
-        return code if same_bits(copies) else CHANGED
+        return code if same_bits(copies + sums) else CHANGED
 
 
 class EarlyStart:

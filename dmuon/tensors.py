@@ -28,6 +28,18 @@ def same_bits(pairs: Sequence[tuple[Tensor, Tensor]]) -> bool:
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def bit_sum(tensor: Tensor) -> Tensor:
+    """The tensor's bits read as integers of its item size and summed in int64 (a 0-d tensor, no
+    host sync): a digest that changes with the tensor's values where its version counter does not
+    (GradScaler's unscaling, foreach ops on DTensors, writes through ``.data``).
+
+    A float's integer reading grows with its magnitude, for either sign, so scaling a tensor by
+    any factor other than 1 moves every changed element's reading the same way: the sum changes,
+    exactly, as it does for a change of one element. Other changes (a permutation; changes that
+    cancel out in the sum) can leave it as it was."""
+    return tensor.view(_INTEGER_OF_SIZE[tensor.element_size()]).sum(dtype=torch.int64)
+
+
 def maybe_nonfinite(tensors: Sequence[Tensor]) -> Tensor:
     """A quick look for non-finite tensors, as a bool vector (no host sync): True where a
     tensor's 2-norm accumulated in its own precision (at least fp32) is not finite.

@@ -241,8 +241,11 @@ def error_of(fn, *args) -> str | None:
 SMALL_BUCKET_BYTES = 4 * 1024  # bytes of Newton–Schulz input per owner: the tiny models in several buckets
 
 # what a training loop may do to the gradients between backward() and step()
+# "unscale" is what GradScaler.unscale_ runs on the gradients: it leaves their version counters
 GRADIENT_CHANGES = {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3),
-                    "scale": lambda m: [p.grad.mul_(0.5) for p in m.parameters()]}
+                    "scale": lambda m: [p.grad.mul_(0.5) for p in m.parameters()],
+                    "unscale": lambda m: torch._amp_foreach_non_finite_check_and_unscale_(
+                        [p.grad for p in m.parameters()], torch.zeros(1), torch.full((1,), 0.5))}
 
 
 def tiny_mlp(seed: int = 0, layers: int = 4, dtype: torch.dtype = torch.float32) -> nn.Module:

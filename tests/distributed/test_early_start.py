@@ -215,7 +215,7 @@ def test_a_model_compiled_with_torch_compile_gives_the_same_bits(ddp, dtype):
         assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
 
 
-@pytest.mark.parametrize("case", ["clip", "accumulate", "scale"])
+@pytest.mark.parametrize("case", ["clip", "accumulate", "scale", "unscale"])
 def test_gradients_changed_after_backward_redo_the_work_and_turn_early_start_off(case):
     between = GRADIENT_CHANGES.get(case)
     reference, _ = _train(False, between=between, accumulate=case == "accumulate")
@@ -225,6 +225,74 @@ def test_gradients_changed_after_backward_redo_the_work_and_turn_early_start_off
     assert opt.early_start.startswith("off: the gradients changed")
     assert sum("early start turned off" in str(w.message) for w in caught) == 1
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def _with_grad_scaler(early_start: bool) -> tuple[torch.nn.Module, dmuon.Muon]:
+    """Three steps of the MLP through torch.amp.GradScaler: scaler.step(opt) unscales the
+    gradients (in place, their version counters as they were) before opt.step()."""
+    model = tiny_mlp()
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    torch.manual_seed(1)
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(8, 32)).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+    return model, opt
+
+
+def test_a_grad_scaler_unscaling_before_step_redoes_the_work():
+    reference, _ = _with_grad_scaler(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = _with_grad_scaler(True)
+    assert opt.early_start.startswith("off: the gradients changed")
+    assert sum("early start turned off" in str(w.message) for w in caught) == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def _fsdp_mlp(early_start: bool, change: str, on_rank: int | None, dtype: torch.dtype) -> dict:
+    """Three steps of the MLP in ``dtype``, each Linear fully_shard-ed (DTensor gradients);
+    ``GRADIENT_CHANGES[change]`` runs between backward() and step() on rank ``on_rank`` (None:
+    on every rank)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_mlp(dtype=dtype)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in model:
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
+    torch.manual_seed(1 + dist.get_rank())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 32, dtype=dtype)).square().mean().backward()
+            if on_rank in (None, dist.get_rank()):
+                GRADIENT_CHANGES[change](model)
+            opt.step()
+    return dict(params=whole_params(model), status=opt.early_start,
+                warnings=sum("early start turned off" in str(w.message) for w in caught))
+
+
+@pytest.mark.parametrize("world,change,on_rank,dtype", [
+    (2, "clip", None, torch.float32), (3, "clip", None, torch.bfloat16),
+    (2, "scale", 1, torch.float32), (3, "scale", 2, torch.bfloat16),
+])
+def test_fsdp2_gradients_changed_after_backward_redo_the_work(world, change, on_rank, dtype):
+    """Under FSDP2 the gradients are DTensors, whose version counters clip_grad_norm_'s foreach
+    ops leave as they were, and whose local shards' counters their own in-place ops leave: the
+    change is still found, on one rank as on all, and every rank redoes the work: the same bits
+    as without early start."""
+    ons, offs = (run_on_ranks(world, _fsdp_mlp, early, change, on_rank, dtype) for early in (True, False))
+    for on, off in zip(ons, offs):
+        assert on["status"].startswith("off: the gradients changed") and on["warnings"] == 1
+        for name, value in on["params"].items():
+            assert torch.equal(value, off["params"][name]) and torch.equal(value, ons[0]["params"][name]), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

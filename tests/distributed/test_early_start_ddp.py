@@ -101,7 +101,7 @@ def _ddp_mlp(early_start: bool, view: bool = False, change: str | None = None, m
                 warnings=sum("early start turned off" in str(w.message) for w in caught))
 
 
-@pytest.mark.parametrize("case", ["clip", "scale"])
+@pytest.mark.parametrize("case", ["clip", "scale", "unscale"])
 @pytest.mark.parametrize("view", [False, True])
 def test_ddp_gradients_changed_after_backward_redo_the_work(case, view):
     """Clipping or scaling DDP's reduced gradients before step(): in param.grad, or in DDP's

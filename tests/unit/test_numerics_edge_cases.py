@@ -288,3 +288,23 @@ def test_same_bits_tells_apart_what_equal_values_hide(dtype):
     assert not same_bits([(a, torch.nextafter(a, torch.full_like(a, 10.0)))])
     assert not same_bits([(a, a.reshape(2, 2))]) and not same_bits([(a, a.to(torch.float32 if dtype != torch.float32
                                                                            else torch.float64))])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("factor", [0.5, 1 - 2**-7, 1 + 2**-7, 1024.0, 1e-3])
+def test_bit_sum_moves_with_any_scaling_and_any_one_element(dtype, factor):
+    """Early start's check where version counters stay (dmuon.tensors.bit_sum): scaling a
+    gradient of both signs by any factor but 1, or changing one element (one ulp, or only its
+    sign), moves the sum; the same bits, strided or not, give the same sum."""
+    from dmuon.tensors import bit_sum
+
+    torch.manual_seed(0)
+    g = torch.randn(64, 48).to(dtype)
+    g[0, :3] = 0.0
+    assert torch.equal(bit_sum(g), bit_sum(g.clone())) and torch.equal(bit_sum(g.T), bit_sum(g))
+    scaled = g * factor
+    assert not torch.equal(scaled, g) and not torch.equal(bit_sum(scaled), bit_sum(g))
+    for change in (lambda t: torch.nextafter(t, torch.full_like(t, 10.0)), torch.neg):
+        one = g.clone()
+        one[5, 7] = change(one[5, 7])
+        assert not torch.equal(bit_sum(one), bit_sum(g))
