@@ -424,3 +424,33 @@ def test_a_dropped_optimizer_leaves_no_hook_behind():
     gc.collect()
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
     model(torch.randn(8, 32)).sum().backward()  # nothing to run, nothing raised
+
+
+def _hyperparameter_schedule(early_start: bool, key: str) -> tuple[torch.nn.Module, dmuon.Muon, list, int]:
+    """Four steps of the MLP, ``param_groups[0][key]`` changed between each backward() and step()."""
+    model = tiny_mlp()
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
+    schedule = {"momentum": lambda s: 0.9 + 0.01 * s, "lr": lambda s: 0.01 * (s + 1)}[key]
+    torch.manual_seed(1)
+    begun = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            opt.zero_grad()
+            model(torch.randn(8, 32)).square().mean().backward()
+            opt.param_groups[0][key] = schedule(step)
+            opt.step()
+            begun.append(opt.last_step_stats.early_buckets[0])
+    return model, opt, begun, sum("early start" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("key", ["momentum", "lr"])
+def test_a_schedule_set_between_backward_and_step(key):
+    """A momentum set just before step() differs from the one the early run used: the step
+    redoes the work, with no warning, and early start stays on; an lr applies at step() and
+    leaves the early work in use. The same bits as without early start either way."""
+    model, opt, begun, warned = _hyperparameter_schedule(True, key)
+    reference, *_ = _hyperparameter_schedule(False, key)
+    assert opt.early_start == "on" and warned == 0
+    assert begun[1:] == ([0, 0, 0] if key == "momentum" else [4, 4, 4])  # the hooks arm at the first step
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
