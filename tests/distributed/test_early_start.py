@@ -252,30 +252,36 @@ def test_a_grad_scaler_unscaling_before_step_redoes_the_work():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
-def _fsdp_mlp(early_start: bool, change: str, on_rank: int | None, dtype: torch.dtype) -> dict:
+def _fsdp_mlp(early_start: bool, change: str | None, on_rank: int | None, dtype: torch.dtype,
+              poison_at: int | None = None, mixed_precision: bool = False) -> dict:
     """Three steps of the MLP in ``dtype``, each Linear fully_shard-ed (DTensor gradients);
     ``GRADIENT_CHANGES[change]`` runs between backward() and step() on rank ``on_rank`` (None:
-    on every rank)."""
+    on every rank); at step ``poison_at`` the last rank's batch holds an infinity;
+    ``mixed_precision``: FSDP2 computes in bf16 and reduces in fp32."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = tiny_mlp(dtype=dtype)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for module in model:
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+    for module in [*model, model]:
+        fully_shard(module, mesh=mesh, **({"mp_policy": policy} if policy else {}))
     opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
     torch.manual_seed(1 + dist.get_rank())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(3):
+        for step in range(3):
             opt.zero_grad()
-            model(torch.randn(8, 32, dtype=dtype)).square().mean().backward()
-            if on_rank in (None, dist.get_rank()):
+            x = torch.randn(8, 32, dtype=dtype)
+            if step == poison_at and dist.get_rank() == dist.get_world_size() - 1:
+                x[0, 0] = float("inf")
+            model(x).square().mean().backward()
+            if change is not None and on_rank in (None, dist.get_rank()):
                 GRADIENT_CHANGES[change](model)
             opt.step()
-    return dict(params=whole_params(model), status=opt.early_start,
+    return dict(params=whole_params(model), status=opt.early_start, skipped=opt.skipped_steps,
+                early_buckets=opt.last_step_stats.early_buckets,
                 warnings=sum("early start turned off" in str(w.message) for w in caught))
 
 
@@ -291,6 +297,22 @@ def test_fsdp2_gradients_changed_after_backward_redo_the_work(world, change, on_
     ons, offs = (run_on_ranks(world, _fsdp_mlp, early, change, on_rank, dtype) for early in (True, False))
     for on, off in zip(ons, offs):
         assert on["status"].startswith("off: the gradients changed") and on["warnings"] == 1
+        for name, value in on["params"].items():
+            assert torch.equal(value, off["params"][name]) and torch.equal(value, ons[0]["params"][name]), name
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", ["non-finite on one rank", "mixed precision"])
+def test_fsdp2_early_start_with_a_non_finite_gradient_or_mixed_precision(world, case):
+    """An infinity in the last rank's batch at step 1: every rank skips that step, early start's
+    work unused, and the next step's early run is fresh; FSDP2's mixed precision (bf16 compute,
+    fp32 reduce): the buckets begin in the backward pass. The same bits as without early start."""
+    poison, mixed = (1, False) if case == "non-finite on one rank" else (None, True)
+    ons, offs = (run_on_ranks(world, _fsdp_mlp, early, None, None, torch.float32, poison, mixed)
+                 for early in (True, False))
+    for on, off in zip(ons, offs):
+        assert on["status"] == "on" and on["early_buckets"][0] == on["early_buckets"][1] > 1
+        assert on["skipped"] == off["skipped"] == (1 if poison else 0)
         for name, value in on["params"].items():
             assert torch.equal(value, off["params"][name]) and torch.equal(value, ons[0]["params"][name]), name
 
