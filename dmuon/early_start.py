@@ -28,8 +28,9 @@ clipping or unscaling between ``backward()`` and ``step()`` — makes the step r
 early start, and early start turns itself off with a warning, since it would only repeat work.
 A change is found by the gradient's version counter, or where that stays as it was (GradScaler's
 unscaling, foreach ops on DTensors such as ``clip_grad_norm_``'s, writes through ``.data``) by
-the sum of its bits, which any scaling and any change of one element moves; a change that leaves
-both (a permutation of a gradient's elements through ``.data``) would escape it.
+its :func:`~dmuon.tensors.digest` (the sums of its bits and of its values), which a change of
+one element or a scaling moves; a change that keeps both (a permutation of a gradient's
+elements through ``.data``) would escape it.
 
 Memory: the held updates are one tensor per Muon parameter (this rank's piece), as large as the
 momentum; with the momentum, the state is then AdamW's two tensors per parameter.
@@ -83,7 +84,7 @@ from dmuon.step_plan import StepPlan
 from dmuon.step_values import StepValues
 from dmuon.strategies.base import Context
 from dmuon.strategies.planned import PlannedExchange
-from dmuon.tensors import bit_sum, local, same_bits
+from dmuon.tensors import digest, local, same_bits
 
 # what each rank's run can be used for at step() (the ranks agree on the highest)
 USED, NOT_USED, CHANGED = 0, 1, 2
@@ -163,7 +164,7 @@ class EarlyValues(StepValues):
             moved = torch._foreach_lerp(bufs, grads, 1 - group["momentum"])  # the step's lerp_, out of place
             for p, final, g, b, m in zip(params, finals, grads, bufs, moved):
                 self.grads_and_buffers[id(p)] = (g, m)
-                self.read[id(p)] = Read(final, g._version, bit_sum(g), buffer_mark(b, group)) if final is not None \
+                self.read[id(p)] = Read(final, g._version, digest(g), buffer_mark(b, group)) if final is not None \
                     else Read(None, None, None, buffer_mark(b, group))
         try:
             return super().inputs(indices)
@@ -183,7 +184,7 @@ class Read(NamedTuple):
 
     grad: Tensor | None  # the gradient read (None: missing)
     grad_version: int | None  # its version then
-    grad_bits: Tensor | None  # its :func:`~dmuon.tensors.bit_sum` then
+    grad_digest: Tensor | None  # its :func:`~dmuon.tensors.digest` then
     buffer: tuple  # the momentum buffer (object and version) and the momentum options
 
 
@@ -283,7 +284,7 @@ class _Run:
         dict, a changed momentum); 2 when a gradient changed after it was read.
 
         A gradient is unchanged when the tensor read is at the version read, ``param.grad`` has
-        the bit sum read (some in-place changes leave the version as it was: GradScaler's
+        the digest read (some in-place changes leave the version as it was: GradScaler's
         unscaling, foreach ops on DTensors), and ``param.grad`` is the tensor read or (DDP, which
         copies its reduced bucket into ``param.grad`` at the end of the backward pass) has its
         bits."""
@@ -291,7 +292,7 @@ class _Run:
             return CHANGED
         code = USED
         copies = []  # (param.grad, the tensor read), to compare by their bits
-        sums = []  # (param.grad's bit sum now, then)
+        digests = []  # (param.grad's digest now, then)
         for work in self.plan.works:
             p = work.param
             read = self.values.read.get(id(p))
@@ -305,10 +306,10 @@ class _Run:
                 return CHANGED
             if p.grad is not read.grad:  # (under DDP's gradient_as_bucket_view, two views of one bucket)
                 copies.append((local(p.grad), local(read.grad)))
-            sums.append((bit_sum(local(p.grad)), read.grad_bits))
+            digests.append((digest(local(p.grad)), read.grad_digest))
             if read.buffer != buffer_mark(local(buf), work.param_group):
                 code = max(code, NOT_USED)
-        return code if same_bits(copies + sums) else CHANGED
+        return code if same_bits(copies + digests) else CHANGED
 
 
 class EarlyStart:

@@ -28,16 +28,19 @@ def same_bits(pairs: Sequence[tuple[Tensor, Tensor]]) -> bool:
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def bit_sum(tensor: Tensor) -> Tensor:
-    """The tensor's bits read as integers of its item size and summed in int64 (a 0-d tensor, no
-    host sync): a digest that changes with the tensor's values where its version counter does not
-    (GradScaler's unscaling, foreach ops on DTensors, writes through ``.data``).
+def digest(tensor: Tensor) -> Tensor:
+    """Two sums that move when ``tensor``'s values change, for a check where version counters do
+    not (GradScaler's unscaling, foreach ops on DTensors, writes through ``.data``): its bits
+    read as integers of its item size and summed in that size (wrapping around), and its values
+    summed; as one tensor of two such integers (no host sync; compare with :func:`same_bits`).
 
-    A float's integer reading grows with its magnitude, for either sign, so scaling a tensor by
-    any factor other than 1 moves every changed element's reading the same way: the sum changes,
-    exactly, as it does for a change of one element. Other changes (a permutation; changes that
-    cancel out in the sum) can leave it as it was."""
-    return tensor.view(_INTEGER_OF_SIZE[tensor.element_size()]).sum(dtype=torch.int64)
+    Changing one element moves the bit sum (its integer reading changes by less than the wrap).
+    Scaling by a power of two (unscaling) scales the value sum exactly, so moves it unless it is
+    0; scaling by another factor moves both, unless by coincidence. A change that keeps both (a
+    permutation) is not seen. Both sums stay in the tensor's own dtypes: on CPU an int64
+    accumulator runs about 30 times slower."""
+    as_int = _INTEGER_OF_SIZE[tensor.element_size()]
+    return torch.stack([tensor.view(as_int).sum(dtype=as_int), tensor.sum().view(as_int)])
 
 
 def maybe_nonfinite(tensors: Sequence[Tensor]) -> Tensor:

@@ -292,19 +292,29 @@ def test_same_bits_tells_apart_what_equal_values_hide(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("factor", [0.5, 1 - 2**-7, 1 + 2**-7, 1024.0, 1e-3])
-def test_bit_sum_moves_with_any_scaling_and_any_one_element(dtype, factor):
-    """Early start's check where version counters stay (dmuon.tensors.bit_sum): scaling a
-    gradient of both signs by any factor but 1, or changing one element (one ulp, or only its
-    sign), moves the sum; the same bits, strided or not, give the same sum."""
-    from dmuon.tensors import bit_sum
+def test_digest_moves_with_any_scaling_and_any_one_element(dtype, factor):
+    """Early start's check where version counters stay (dmuon.tensors.digest): scaling a
+    gradient of both signs by a factor other than 1, or changing one element (one ulp, or only
+    its sign), moves the digest; the same bits, strided or not, give the same digest."""
+    from dmuon.tensors import digest, same_bits
 
     torch.manual_seed(0)
     g = torch.randn(64, 48).to(dtype)
     g[0, :3] = 0.0
-    assert torch.equal(bit_sum(g), bit_sum(g.clone())) and torch.equal(bit_sum(g.T), bit_sum(g))
+    assert same_bits([(digest(g), digest(g.clone())), (digest(g.T), digest(g))])
     scaled = g * factor
-    assert not torch.equal(scaled, g) and not torch.equal(bit_sum(scaled), bit_sum(g))
+    assert not torch.equal(scaled, g) and not same_bits([(digest(scaled), digest(g))])
     for change in (lambda t: torch.nextafter(t, torch.full_like(t, 10.0)), torch.neg):
         one = g.clone()
         one[5, 7] = change(one[5, 7])
-        assert not torch.equal(bit_sum(one), bit_sum(g))
+        assert not same_bits([(digest(one), digest(g))])
+
+
+def test_digest_sees_a_power_of_two_scaling_that_wraps_the_bit_sum_around():
+    """Halving 512 normal fp32 numbers lowers each one's integer reading by 2**23, the bit sum by
+    2**32: it wraps around to where it was, and the value sum, halved exactly, shows the change."""
+    from dmuon.tensors import digest
+
+    g = torch.rand(512) + 1.0
+    before, after = digest(g), digest(g * 0.5)
+    assert before[0] == after[0] and before[1] != after[1]
