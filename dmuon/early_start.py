@@ -283,11 +283,11 @@ class _Run:
         same momentum options; 1 when a gradient is missing or the state changed (a loaded state
         dict, a changed momentum); 2 when a gradient changed after it was read.
 
-        A gradient is unchanged when the tensor read is at the version read, ``param.grad`` has
-        the digest read (some in-place changes leave the version as it was: GradScaler's
-        unscaling, foreach ops on DTensors), and ``param.grad`` is the tensor read or (DDP, which
-        copies its reduced bucket into ``param.grad`` at the end of the backward pass) has its
-        bits."""
+        A gradient is unchanged when the tensor read is at the version read and ``param.grad``
+        either lies in the memory read with the digest read (some in-place changes leave the
+        version as it was: GradScaler's unscaling, foreach ops on DTensors) or (DDP without
+        ``gradient_as_bucket_view``, which copies its reduced bucket into ``param.grad`` at the
+        end of the backward pass) has the bits of the tensor read."""
         if self.repeated:
             return CHANGED
         code = USED
@@ -304,9 +304,13 @@ class _Run:
                 continue
             if local(read.grad)._version != read.grad_version:
                 return CHANGED
-            if p.grad is not read.grad:  # (under DDP's gradient_as_bucket_view, two views of one bucket)
-                copies.append((local(p.grad), local(read.grad)))
-            digests.append((digest(local(p.grad)), read.grad_digest))
+            now, then = local(p.grad), local(read.grad)
+            if now.data_ptr() == then.data_ptr():  # the tensor read, or (DDP's bucket views) its memory
+                digests.append((digest(now), read.grad_digest))
+            else:
+                # DDP's copy of its reduced bucket: compared bit by bit (a digest's value sum could
+                # round differently where the two are aligned differently)
+                copies.append((now, then))
             if read.buffer != buffer_mark(local(buf), work.param_group):
                 code = max(code, NOT_USED)
         return code if same_bits(copies + digests) else CHANGED
