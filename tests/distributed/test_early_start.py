@@ -115,20 +115,26 @@ class _Experts(torch.nn.Module):
         return torch.einsum("bd,edk->bk", x, self.w) / 4
 
 
-def _expert_stacks(early_start: bool, dtype: torch.dtype) -> dict:
-    """Three steps of linear layers and expert stacks in ``dtype``, each module fully_shard-ed: the
-    stacks (sharded on the expert dim) are orthogonalized where they live, in a plan of their own."""
+def _fully_shard_each(model: torch.nn.Sequential, mp_policy=None) -> None:
+    """fully_shard every module of ``model``, then ``model`` itself, over every rank."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in [*model, model]:
+        fully_shard(module, mesh=mesh, **({"mp_policy": mp_policy} if mp_policy else {}))
+
+
+def _expert_stacks(early_start: bool, dtype: torch.dtype) -> dict:
+    """Three steps of linear layers and expert stacks in ``dtype``, each module fully_shard-ed: the
+    stacks (sharded on the expert dim) are orthogonalized where they live, in a plan of their own."""
+    import torch.distributed as dist
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), _Experts(), torch.nn.Linear(32, 32), _Experts(),
                                 torch.nn.Linear(32, 32)).to(dtype)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for module in model:
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    _fully_shard_each(model)
     opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
     torch.manual_seed(1 + dist.get_rank())
     for _ in range(3):
@@ -259,14 +265,11 @@ def _fsdp_mlp(early_start: bool, change: str | None, on_rank: int | None, dtype:
     on every rank); at step ``poison_at`` the last rank's batch holds an infinity;
     ``mixed_precision``: FSDP2 computes in bf16 and reduces in fp32."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     model = tiny_mlp(dtype=dtype)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
-    for module in [*model, model]:
-        fully_shard(module, mesh=mesh, **({"mp_policy": policy} if policy else {}))
+    _fully_shard_each(model, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                      if mixed_precision else None)
     opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
     torch.manual_seed(1 + dist.get_rank())
     with warnings.catch_warnings(record=True) as caught:
