@@ -10,7 +10,10 @@ alternative (each pair interleaved, best of several repeats, one process):
 * the quick non-finite look (``tensors.maybe_nonfinite``: one fp32-accumulated
   ``torch._foreach_norm``) vs the exact check (fp64-accumulated norms);
 * for fp64 tensors, the infinity norm ``tensors.finite_flags`` takes (a maximum cannot
-  overflow) vs the 2-norm: the price of exactness.
+  overflow) vs the 2-norm: the price of exactness;
+* Newton–Schulz of a stack of 16 matrices in chunks that stay in cache
+  (``orthogonalization.matrices_per_chunk``) vs the whole stack at once (these pairs take at most
+  3 repeats: a call is a fraction of a second).
 
 Prints one line per choice with the ratio (alternative / dmuon's choice: above 1, dmuon's is
 faster). Run: ``python benchmarks/kernel_choices.py [--threads 1] [--repeats 30]``.
@@ -25,7 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from dmuon.orthogonalization import _max_abs, _transposed
+from dmuon import orthogonalization
+from dmuon.orthogonalization import _max_abs, _transposed, orthogonalize, resolve_config
 from dmuon.tensors import maybe_nonfinite
 
 
@@ -80,6 +84,23 @@ def main() -> None:
     wide = [t.double() for t in tensors[:4]]
     compare("fp64 4 x 512x1536: infinity norm vs the 2-norm (may overflow)",
             lambda: torch._foreach_norm(wide, float("inf")), lambda: torch._foreach_norm(wide, 2), args.repeats)
+
+    for shape, dtype in [((16, 512, 1536), torch.bfloat16), ((16, 512, 512), torch.bfloat16),
+                         ((16, 512, 1536), torch.float32)]:
+        G = torch.randn(*shape, generator=g)
+        config = resolve_config(shape, "cpu", dtype=dtype, method="standard")
+        chunk = orthogonalization.matrices_per_chunk(*shape[1:], dtype, "cpu")
+        compare(f"NS {str(dtype)[6:]} 16 x {shape[1]}x{shape[2]}: chunks of {chunk} vs the whole stack",
+                lambda: orthogonalize(G, config), lambda: whole_stack(G, config), min(args.repeats, 3))
+
+
+def whole_stack(G: torch.Tensor, config: orthogonalization.NSConfig) -> torch.Tensor:
+    """:func:`orthogonalize` with chunks as large as the stack."""
+    saved, orthogonalization.CPU_CHUNK_BYTES = orthogonalization.CPU_CHUNK_BYTES, 1 << 62
+    try:
+        return orthogonalize(G, config)
+    finally:
+        orthogonalization.CPU_CHUNK_BYTES = saved
 
 
 if __name__ == "__main__":

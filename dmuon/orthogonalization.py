@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -460,8 +461,46 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
     if G.numel() == 0:
         return torch.zeros_like(G)
     batch_shape, (m, n) = G.shape[:-2], G.shape[-2:]
-    X = normalize(G.reshape(-1, m, n), config.eps).to(config.dtype)
-    tall = m > n
+    stack = G.reshape(-1, m, n)
+    pieces = stack.shape[0] // matrices_per_chunk(m, n, config.dtype, G.device.type)  # near-equal chunks
+    if pieces <= 1 or torch.compiler.is_compiling():
+        X = _orthogonalize_stack(stack, config).reshape(*batch_shape, m, n)
+        if X.dtype == G.dtype and X.is_contiguous():
+            return X
+        return torch.empty(X.shape, dtype=G.dtype, device=X.device).copy_(X)
+    out = torch.empty(stack.shape, dtype=G.dtype, device=G.device)
+    for rows, matrices in zip(out.tensor_split(pieces), stack.tensor_split(pieces)):
+        rows.copy_(_orthogonalize_stack(matrices, config))
+    return out.reshape(*batch_shape, m, n)
+
+
+# On CPU a batched product runs one matrix after another, so each Newton–Schulz step sweeps the
+# whole stack three times (X·Xᵀ, the polynomial, its product with X): a stack larger than the
+# cache goes to memory on every sweep. Chunks whose working set (X, X·Xᵀ, the polynomial, the
+# new X) stays within this many bytes keep it in cache: about a fifth faster for stacks of 16
+# matrices of 512×512 or 512×1536 in bf16 (BENCHMARKS.md, "Newton–Schulz in chunks on CPU").
+# A chunk holds at least two matrices: torch's CPU products take another kernel for a batch of
+# one, which can round a near tie the other way (docs/concepts.md, "Exactness"), while batches of
+# two or more give each matrix the same bits; so a stack's chunks keep the bits of the whole stack.
+CPU_CHUNK_BYTES = 8 << 20
+
+
+def matrices_per_chunk(m: int, n: int, dtype: torch.dtype, device_type: str) -> int:
+    """The fewest m×n matrices :func:`orthogonalize` runs through Newton–Schulz at once when it
+    splits a stack: on CPU as many as keep the working set within ``CPU_CHUNK_BYTES``, at least
+    two; elsewhere all of them (a GPU wants the largest batch)."""
+    if device_type != "cpu":
+        return sys.maxsize
+    small, large = sorted((m, n))
+    working_set = 2 * (small * large + small * small) * dtype.itemsize
+    return max(2, CPU_CHUNK_BYTES // working_set)
+
+
+def _orthogonalize_stack(stack: Tensor, config: NSConfig) -> Tensor:
+    """Normalize and orthogonalize a stack ``(B, m, n)``: the result in ``config.dtype``, shaped
+    like ``stack`` (transposed in memory for tall matrices)."""
+    X = normalize(stack, config.eps).to(config.dtype)
+    tall = stack.shape[-2] > stack.shape[-1]
     if tall:
         X = _transposed(X)
     gram, symmetric = _products(config)
@@ -469,16 +508,11 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
         X = _gram(X, config.schedule, config.restarts, gram, symmetric)
     else:
         X = _standard(X, config.schedule, gram, symmetric)
-    if tall:
-        X = X.mT
-    # a tall result is the transpose of what the products left: lay it out row-major in the cast
-    # (one pass over the narrow dtype), not in every later copy of its rows. Always row-major,
-    # even where no cast is needed: on CPU, adding a bf16 update into a parameter rounds
-    # differently for strided and contiguous operands, and replicas must get the same bits.
-    X = X.reshape(*batch_shape, m, n)
-    if X.dtype == G.dtype and X.is_contiguous():
-        return X
-    return torch.empty(X.shape, dtype=G.dtype, device=X.device).copy_(X)
+    # a tall result is the transpose of what the products left: the caller lays it out row-major
+    # in its cast (one pass over the narrow dtype), not in every later copy of its rows. Always
+    # row-major, even where no cast is needed: on CPU, adding a bf16 update into a parameter
+    # rounds differently for strided and contiguous operands, and replicas must get the same bits.
+    return X.mT if tall else X
 
 
 def _transposed(X: Tensor) -> Tensor:

@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from dmuon import orthogonalization
 from dmuon.orthogonalization import (
     NSConfig,
     choose_method,
@@ -176,6 +177,29 @@ def test_batched_equals_per_matrix(dtype):
     for i in range(3):
         for j in range(2):
             assert torch.equal(batched[i, j], newton_schulz(stack[i, j], dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("shape", [(16, 40), (40, 16)])
+def test_chunked_stack_equals_whole_stack(monkeypatch, dtype, shape):
+    # a cache budget of about two 16×40 matrices' working set: a stack of 7 runs in chunks of 2
+    monkeypatch.setattr(orthogonalization, "CPU_CHUNK_BYTES", 2 * 2 * (16 * 40 + 16 * 16) * dtype.itemsize)
+    assert orthogonalization.matrices_per_chunk(*shape, dtype, "cpu") == 2
+    stack = random_matrix((7, *shape), dtype=F32)
+    config = orthogonalization.resolve_config(shape, "cpu", dtype=dtype, method="standard")
+    chunked = orthogonalize(stack, config)
+    assert chunked.dtype == F32 and chunked.is_contiguous() and chunked.shape == stack.shape
+    monkeypatch.setattr(orthogonalization, "CPU_CHUNK_BYTES", 1 << 40)
+    # 7 matrices in chunks of 3, 2 and 2: never a lone matrix, whose products take another kernel
+    assert torch.equal(chunked, torch.cat([orthogonalize(chunk, config) for chunk in stack.split([3, 2, 2])]))
+    assert torch.equal(chunked, orthogonalize(stack, config))
+
+
+def test_chunks_only_on_cpu_and_never_empty():
+    assert orthogonalization.matrices_per_chunk(512, 1536, BF16, "cpu") == 2  # 4.2 MB each of 8 MiB
+    assert orthogonalization.matrices_per_chunk(1536, 512, BF16, "cpu") == 2  # the wide working set
+    assert orthogonalization.matrices_per_chunk(8192, 8192, F32, "cpu") == 2  # never a lone matrix
+    assert orthogonalization.matrices_per_chunk(8192, 8192, F16, "cuda") > 10**9
 
 
 # ---------------------------------------------------------------- 5. degenerate inputs
