@@ -240,12 +240,18 @@ def error_of(fn, *args) -> str | None:
 
 SMALL_BUCKET_BYTES = 4 * 1024  # bytes of Newton–Schulz input per owner: the tiny models in several buckets
 
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters() if p.grad is not None]  # owner sharding: the owned ones
+
+
 # what a training loop may do to the gradients between backward() and step()
-# "unscale" is what GradScaler.unscale_ runs on the gradients: it leaves their version counters
+# "unscale" is what GradScaler.unscale_ runs on the gradients: it leaves their version counters;
+# "dmuon clip" is the clipping owner sharding needs (each gradient element counted once in the job)
 GRADIENT_CHANGES = {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3),
-                    "scale": lambda m: [p.grad.mul_(0.5) for p in m.parameters()],
+                    "dmuon clip": lambda m: dmuon.clip_grad_norm_(m.parameters(), 1e-3),
+                    "scale": lambda m: [g.mul_(0.5) for g in _grads(m)],
                     "unscale": lambda m: torch._amp_foreach_non_finite_check_and_unscale_(
-                        [p.grad for p in m.parameters()], torch.zeros(1), torch.full((1,), 0.5))}
+                        _grads(m), torch.zeros(1), torch.full((1,), 0.5))}
 
 
 def tiny_mlp(seed: int = 0, layers: int = 4, dtype: torch.dtype = torch.float32) -> nn.Module:
