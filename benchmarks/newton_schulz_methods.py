@@ -4,29 +4,37 @@
 
 Prints, per shape, the best-of-N time of each method/dtype and the Gram/standard ratios; the
 aspect-ratio sweep at m = 512 is what `GRAM_MIN_ASPECT` in dmuon/orthogonalization.py rests on.
+Then, per shape, the FLOP rate of standard Newton–Schulz in bf16 beside that of one plain GEMM
+of its largest product (m×n by n×m) in the same dtype: how close Newton–Schulz runs to what this
+core's products can do.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
-from dmuon.orthogonalization import newton_schulz
+from dmuon.orthogonalization import newton_schulz, newton_schulz_flops
 
 SHAPES = [(512, 512), (512, 768), (512, 1024), (512, 1536), (512, 2048), (512, 4096), (1024, 1024)]
 VARIANTS = [("standard", torch.bfloat16), ("standard", torch.float32), ("gram", torch.float32)]
 
 
-def best_time(G: torch.Tensor, method: str, dtype: torch.dtype, repeats: int) -> float:
-    newton_schulz(G, method=method, dtype=dtype)  # warm-up
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        newton_schulz(G, method=method, dtype=dtype)
+        fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def best_time(G: torch.Tensor, method: str, dtype: torch.dtype, repeats: int) -> float:
+    return best_seconds(lambda: newton_schulz(G, method=method, dtype=dtype), repeats)
 
 
 def main() -> None:
@@ -43,6 +51,14 @@ def main() -> None:
         t = [best_time(G, method, dtype, args.repeats) for method, dtype in VARIANTS]
         cells = "  ".join(f"{x * 1e3:>18.1f}" for x in t)
         print(f"{f'{m}x{n}':<10} {n / m:>6.1f}  {cells}  {t[2] / t[1]:>19.2f}  {t[2] / t[0]:>25.2f}")
+    print(f"\n{'shape':<10} {'NS bf16 GFLOP/s':>16} {'GEMM bf16 GFLOP/s':>18} {'NS / GEMM':>10}")
+    for m, n in SHAPES:
+        G = torch.randn(m, n, generator=torch.Generator().manual_seed(0))
+        ns_rate = newton_schulz_flops(m, n, steps=5, method="standard") / best_time(G, "standard", torch.bfloat16,
+                                                                                   args.repeats)
+        a, b = G.bfloat16(), G.T.contiguous().bfloat16()
+        gemm_rate = 2 * m * n * m / best_seconds(lambda: a @ b, args.repeats)
+        print(f"{f'{m}x{n}':<10} {ns_rate / 1e9:>16.0f} {gemm_rate / 1e9:>18.0f} {ns_rate / gemm_rate:>10.2f}")
 
 
 if __name__ == "__main__":
