@@ -42,8 +42,8 @@ tensors), and the optimizer holds their state; ``torch.distributed.checkpoint`` 
 each matrix once, from its owner, and loads it at any world size or into any other layout.
 
 Only public torch APIs are used: module forward hooks, tensor gradient hooks,
-``Tensor.register_post_accumulate_grad_hook``, ``UntypedStorage.resize_``, assignment to
-``Tensor.data``, state-dict hooks and ``torch.distributed`` collectives.
+``Tensor.register_post_accumulate_grad_hook``, ``UntypedStorage.resize_``, state-dict hooks and
+``torch.distributed`` collectives.
 
 The modules, along the seams of FSDP2's own: :mod:`~dmuon.owner.setup` (the groups, the layers
 and the owners, agreed by every rank), :mod:`~dmuon.owner.layer` (one layer's weights and their

@@ -23,27 +23,15 @@ def storage_bytes(p: Tensor) -> int:
     return p.numel() * p.element_size()
 
 
-def free(p: Tensor) -> Tensor:
-    """Give back ``p``'s memory; returns its weights, their storage shrunk to zero bytes, for
-    :func:`allocate`. Autograd's saved views of the weights share that storage, so they see the
-    weights again once it is allocated and filled (reshard_after_forward).
-
-    Meanwhile ``p`` keeps its shape but holds one NaN seen at every position, not the emptied
-    weights: code outside forward and backward that reads it gets NaN, and torch refuses most
-    writes to it (its elements share one memory location; ``fill_`` and ``zero_`` change that one
-    element), where the emptied storage would let it read or write freed memory and crash the
-    process. Each parameter gets its own element, so such a write shows in no other."""
-    weights = p.data
-    weights.untyped_storage().resize_(0)
-    p.data = torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
-    return weights
+def free(p: Tensor) -> None:
+    """Give back ``p``'s memory; the tensor keeps its shape, its storage shrinks to zero bytes."""
+    p.data.untyped_storage().resize_(0)
 
 
-def allocate(p: Tensor, weights: Tensor) -> None:
-    """Undo :func:`free`: ``weights``' storage at full size again (its values left to the caller),
-    and in ``p``."""
-    weights.untyped_storage().resize_(storage_bytes(p))
-    p.data = weights
+def allocate(p: Tensor) -> None:
+    storage = p.data.untyped_storage()
+    if storage.nbytes() != storage_bytes(p):
+        storage.resize_(storage_bytes(p))
 
 
 class Groups:
@@ -155,7 +143,7 @@ class Ownership:
 class LayerState(enum.Enum):
     """Where a layer's weights are, on this rank."""
 
-    RELEASED = "released"  # with their holders only: the other ranks' copies are freed (:func:`free`)
+    RELEASED = "released"  # with their holders only: the other ranks' copies have no storage
     PREFETCHING = "prefetching"  # broadcasts from the holders in flight (:attr:`OwnedLayer.version`)
     MATERIALIZED = "materialized"  # on every rank of the shard group (:attr:`OwnedLayer.version`)
 
@@ -177,7 +165,6 @@ class OwnedLayer:
         self._broadcasts: list[Broadcast] = []
         self._from_replica_0: list[Broadcast] = []  # HSDP: updated weights coming from replica 0's owners
         self.ready: set[int] = set()  # ids of parameters whose gradient is ready, this backward
-        self._freed: dict[int, Tensor] = {}  # id of a parameter whose copy is freed → its emptied weights
 
     def holds_version(self, version: int) -> bool:
         return self.state is not LayerState.RELEASED and self.version == version
@@ -203,8 +190,7 @@ class OwnedLayer:
         for (holder, _), members in self.ownership.by_holder(self.params).items():
             if holder != self.ownership.rank:
                 for p in members:
-                    if id(p) in self._freed:
-                        allocate(p, self._freed.pop(id(p)))
+                    allocate(p)
             if shard is not None:
                 self._broadcasts.append(self.ownership.broadcast(members, holder, shard))
         self.state, self.version = LayerState.PREFETCHING, version
@@ -226,8 +212,8 @@ class OwnedLayer:
         if self.state is LayerState.PREFETCHING:
             self._finish()
         for p in self.params:
-            if not self.ownership.holds(p) and id(p) not in self._freed:
-                self._freed[id(p)] = free(p)
+            if not self.ownership.holds(p):
+                free(p)
         self.state, self.version = LayerState.RELEASED, None
 
     def receive_from_replica_0(self) -> None:

@@ -150,9 +150,9 @@ def shard_by_owner(
     ``replicate_rest``: keep every other parameter replicated (gradients all-reduced here, like
     DDP); pass False when FSDP2/DDP handles them (``fully_shard(..., ignored_params=sharding.params)``).
 
-    Call it after moving the model to its device (afterwards the copies a rank does not keep are
-    one-element placeholders, with no weights to move), before ``fully_shard`` and before creating
-    the optimizer; every rank must call it with the same model.
+    Call it after moving the model to its device (non-owners' tensors have no storage to move
+    afterwards), before ``fully_shard`` and before creating the optimizer; every rank must call it
+    with the same model.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard_by_owner takes an nn.Module, not a {type(model).__name__}.")
