@@ -27,8 +27,11 @@ Early start (:mod:`dmuon.early_start`; in every mode: under DDP with dmuon's com
 on top: the work of every bucket but the last may run during the backward pass (two thirds of
 the forward+backward products), but only in the device time the backward pass leaves idle —
 ``HardwareProfile.backward_idle_fraction`` of it, 6 % on GPUs from one H200 measurement, 0 on
-CPU — so it hides ``min(optimizer step · (1 − 1/buckets), idle fraction · backward)``. Early
-start keeps every matrix whole (no gangs), so its optimizer step is the whole-matrix plan's.
+CPU. What stays after the backward pass is the last bucket's own step (simulated alone: the
+step's fixed work, its exchange and Newton–Schulz, its apply) and the apply of the updates the
+earlier buckets hold, so early start hides ``min(optimizer step − that, idle fraction ·
+backward)``. Early start keeps every matrix whole (no gangs), so its optimizer step is the
+whole-matrix plan's.
 """
 
 from __future__ import annotations
@@ -429,11 +432,21 @@ def ns_recipe(units: Sequence[Unit], configs: Sequence[NSConfig]) -> str:
 BACKWARD_SHARE = 2 / 3
 
 
-def early_start_hidden(optimizer_step: float, buckets: int, backward: float, workload: Workload) -> float:
-    """Seconds of the optimizer step early start hides in the backward pass (module docstring)."""
-    if buckets < 1:
+def early_start_hidden(optimizer_step: float, after_backward: float, backward: float, workload: Workload) -> float:
+    """Seconds of the optimizer step early start hides in the backward pass: all but what must
+    follow it (``after_backward``), at most the backward pass's idle device time (module docstring)."""
+    return max(0.0, min(optimizer_step - after_backward, workload.profile.backward_idle_fraction * backward))
+
+
+def after_backward_seconds(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload,
+                           costs: list[BucketCost]) -> float:
+    """What of early start's optimizer step follows the backward pass: the last bucket's step
+    alone (its gradients are final only at the end) and the apply of the earlier buckets'
+    held updates."""
+    if not costs:
         return 0.0
-    return min(optimizer_step * (1 - 1 / buckets), workload.profile.backward_idle_fraction * backward)
+    last = simulate_optimizer_step(plan, configs, workload, costs[-1:]).max().item()
+    return last + sum(cost.apply.max().item() for cost in costs[:-1])
 
 
 def predict(workload: Workload, model: str = "") -> Prediction:
@@ -472,8 +485,10 @@ def predict(workload: Workload, model: str = "") -> Prediction:
     if workload.profile.backward_idle_fraction:
         early = dataclasses.replace(workload, split=False, ready_order=True)
         early_plan, early_configs, _ = split_plan(early)
-        early_opt = simulate_optimizer_step(early_plan, early_configs, early).max().item()
-        hidden = early_start_hidden(early_opt, len(early_plan.buckets), BACKWARD_SHARE * compute, workload)
+        early_costs = bucket_costs(early_plan, early_configs, early)
+        early_opt = simulate_optimizer_step(early_plan, early_configs, early, early_costs).max().item()
+        after = after_backward_seconds(early_plan, early_configs, early, early_costs)
+        hidden = early_start_hidden(early_opt, after, BACKWARD_SHARE * compute, workload)
         if not hidden:
             early_opt = dmuon_opt
     ms = 1e3
