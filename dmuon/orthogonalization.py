@@ -477,8 +477,8 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
 # On CPU a batched product runs one matrix after another, so each Newton–Schulz step sweeps the
 # whole stack three times (X·Xᵀ, the polynomial, its product with X): a stack larger than the
 # cache goes to memory on every sweep. Chunks whose working set (X, X·Xᵀ, the polynomial, the
-# new X) stays within this many bytes keep it in cache: about a fifth faster for stacks of 16
-# matrices of 512×512 or 512×1536 in bf16 (BENCHMARKS.md, "Newton–Schulz in chunks on CPU").
+# new X) stays within this many bytes keep it in cache: 10–20 % faster for stacks of 16 matrices
+# of 512×512 or 512×1536 in bf16 (BENCHMARKS.md, "Newton–Schulz in chunks on CPU").
 # A chunk holds at least two matrices: torch's CPU products take another kernel for a batch of
 # one, which can round a near tie the other way (docs/concepts.md, "Exactness"), while batches of
 # two or more give each matrix the same bits; so a stack's chunks keep the bits of the whole stack.

@@ -64,22 +64,22 @@ def test_ddp_options_with_dmuons_comm_hook_give_the_same_bits(option, dtype):
 
 
 def _ddp_mlp(early_start: bool, view: bool = False, change: str | None = None, micro_batches: int = 1,
-             poison_at: int | None = None, closure: bool = False) -> dict:
-    """Three steps of the 4-layer MLP under DDP with dmuon's comm hook, each over ``micro_batches``
-    (all but the last under no_sync); ``GRADIENT_CHANGES[change]`` runs between backward() and step();
-    at step ``poison_at`` the last rank's batch holds an infinity; ``closure``: the micro-batches
-    run in step()'s closure."""
+             poison_at: int | None = None, closure: bool = False, dtype: torch.dtype = torch.float32) -> dict:
+    """Three steps of the 4-layer MLP in ``dtype`` under DDP with dmuon's comm hook, each over
+    ``micro_batches`` (all but the last under no_sync); ``GRADIENT_CHANGES[change]`` runs between
+    backward() and step(); at step ``poison_at`` the last rank's batch holds an infinity;
+    ``closure``: the micro-batches run in step()'s closure."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    model = DistributedDataParallel(tiny_mlp(), bucket_cap_mb=0.005, gradient_as_bucket_view=view)
-    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
+    model = DistributedDataParallel(tiny_mlp(dtype=dtype), bucket_cap_mb=0.005, gradient_as_bucket_view=view)
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * dtype.itemsize, early_start=early_start)
     opt.register_ddp_comm_hook(model)
     torch.manual_seed(1 + dist.get_rank())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(3):
-            batches = [torch.randn(8, 32) for _ in range(micro_batches)]
+            batches = [torch.randn(8, 32, dtype=dtype) for _ in range(micro_batches)]
             if step == poison_at and dist.get_rank() == dist.get_world_size() - 1:
                 batches[0][0, 0] = float("inf")
 
@@ -101,12 +101,14 @@ def _ddp_mlp(early_start: bool, view: bool = False, change: str | None = None, m
                 warnings=sum("early start turned off" in str(w.message) for w in caught))
 
 
-@pytest.mark.parametrize("case", ["clip", "scale", "unscale"])
-@pytest.mark.parametrize("view", [False, True])
-def test_ddp_gradients_changed_after_backward_redo_the_work(case, view):
+@pytest.mark.parametrize("case,view,dtype", [
+    *((case, view, torch.float32) for case in ("clip", "scale", "unscale") for view in (False, True)),
+    ("clip", False, torch.bfloat16), ("unscale", True, torch.bfloat16),
+])
+def test_ddp_gradients_changed_after_backward_redo_the_work(case, view, dtype):
     """Clipping or scaling DDP's reduced gradients before step(): in param.grad, or in DDP's
     bucket itself (gradient_as_bucket_view): the step redoes the work, and early start turns off."""
-    ons, offs = run_on_ranks(2, _ddp_mlp, True, view, case), run_on_ranks(2, _ddp_mlp, False, view, case)
+    ons, offs = (run_on_ranks(2, _ddp_mlp, early, view, case, 1, None, False, dtype) for early in (True, False))
     for on, off in zip(ons, offs):
         assert on["status"].startswith("off: the gradients changed") and on["warnings"] == 1
         for name, value in on["params"].items():
