@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 from collections.abc import Callable
 
 import torch
@@ -31,24 +30,17 @@ import torch
 from dmuon import orthogonalization
 from dmuon.orthogonalization import _max_abs, _transposed, orthogonalize, resolve_config
 from dmuon.tensors import maybe_nonfinite
+from dmuon.timing import best_seconds
 
-
-def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+CPU = torch.device("cpu")
 
 
 def compare(name: str, ours: Callable[[], object], theirs: Callable[[], object], repeats: int) -> None:
     """Interleaved, so that a noisy moment hits both."""
     a, b = [], []
     for _ in range(3):
-        a.append(best_seconds(ours, repeats))
-        b.append(best_seconds(theirs, repeats))
+        a.append(best_seconds(ours, CPU, repeats))
+        b.append(best_seconds(theirs, CPU, repeats))
     print(f"{name:<58} dmuon {1e3 * min(a):8.3f} ms   alternative {1e3 * min(b):8.3f} ms   "
           f"ratio {min(b) / min(a):5.2f}")
 
@@ -72,7 +64,7 @@ def main() -> None:
         Wt = _transposed(W)  # made once per Newton–Schulz call, for the products that read the input
         compare(f"{str(dtype)[6:]} (512x512)·(512x1536): contiguous vs strided operand",
                 lambda: torch.bmm(A, Wt), lambda: torch.bmm(A, W.mT), args.repeats)
-        copy = best_seconds(lambda: _transposed(W), args.repeats)
+        copy = best_seconds(lambda: _transposed(W), CPU, args.repeats)
         print(f"{str(dtype)[6:] + ' the transposed copy itself, 1536x512':<58} dmuon {1e3 * copy:8.3f} ms")
     stack = torch.randn(8, 1536, 512, generator=g).to(torch.bfloat16)
     compare("transposed copy of 8 x 1536x512 bf16: per matrix vs batched", lambda: _transposed(stack),

@@ -12,29 +12,20 @@ core's products can do.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 
 from dmuon.orthogonalization import newton_schulz, newton_schulz_flops
+from dmuon.timing import best_seconds
+
+CPU = torch.device("cpu")
 
 SHAPES = [(512, 512), (512, 768), (512, 1024), (512, 1536), (512, 2048), (512, 4096), (1024, 1024)]
 VARIANTS = [("standard", torch.bfloat16), ("standard", torch.float32), ("gram", torch.float32)]
 
 
-def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def best_time(G: torch.Tensor, method: str, dtype: torch.dtype, repeats: int) -> float:
-    return best_seconds(lambda: newton_schulz(G, method=method, dtype=dtype), repeats)
+    return best_seconds(lambda: newton_schulz(G, method=method, dtype=dtype), CPU, repeats)
 
 
 def main() -> None:
@@ -57,7 +48,7 @@ def main() -> None:
         ns_rate = newton_schulz_flops(m, n, steps=5, method="standard") / best_time(G, "standard", torch.bfloat16,
                                                                                    args.repeats)
         a, b = G.bfloat16(), G.T.contiguous().bfloat16()
-        gemm_rate = 2 * m * n * m / best_seconds(lambda: a @ b, args.repeats)
+        gemm_rate = 2 * m * n * m / best_seconds(lambda: a @ b, CPU, args.repeats)
         print(f"{f'{m}x{n}':<10} {ns_rate / 1e9:>16.0f} {gemm_rate / 1e9:>18.0f} {ns_rate / gemm_rate:>10.2f}")
 
 
