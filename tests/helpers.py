@@ -254,6 +254,13 @@ GRADIENT_CHANGES = {"clip": lambda m: torch.nn.utils.clip_grad_norm_(m.parameter
                         _grads(m), torch.zeros(1), torch.full((1,), 0.5))}
 
 
+def change_gradients(model: nn.Module, change: str | None, on_rank: int | None = None) -> None:
+    """Run ``GRADIENT_CHANGES[change]`` on ``model`` (nothing for None) on rank ``on_rank``
+    (None: on every rank)."""
+    if change is not None and on_rank in (None, dist.get_rank()):
+        GRADIENT_CHANGES[change](model)
+
+
 def tiny_mlp(seed: int = 0, layers: int = 4, dtype: torch.dtype = torch.float32) -> nn.Module:
     """``layers`` Linear(32, 32): a 32×32 Muon matrix and an AdamW bias each, in ``dtype``."""
     torch.manual_seed(seed)

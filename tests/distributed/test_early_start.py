@@ -19,6 +19,7 @@ from tests.helpers import (
     GRADIENT_CHANGES,
     SMALL_BUCKET_BYTES,
     assert_same_run,
+    change_gradients,
     single_process,
     tiny_mlp,
     train_llama,
@@ -73,8 +74,7 @@ def _owner_mlp(early_start: bool, accumulate: str | None = None, layers: int = 4
                 first = micro == 0 and accumulate == "no_sync"
                 with sharding.no_sync() if first else contextlib.nullcontext():
                     model(torch.randn(8, 32)).square().mean().backward()
-            if change is not None and on_rank in (None, dist.get_rank()):
-                GRADIENT_CHANGES[change](model)
+            change_gradients(model, change, on_rank)
             opt.step()
     return dict(params=whole_params(model), status=opt.early_start, early_buckets=opt.last_step_stats.early_buckets,
                 warnings=sum("early start turned off" in str(w.message) for w in caught))
@@ -304,8 +304,7 @@ def _fsdp_mlp(early_start: bool, change: str | None, on_rank: int | None, dtype:
             if step == poison_at and dist.get_rank() == dist.get_world_size() - 1:
                 x[0, 0] = float("inf")
             model(x).square().mean().backward()
-            if change is not None and on_rank in (None, dist.get_rank()):
-                GRADIENT_CHANGES[change](model)
+            change_gradients(model, change, on_rank)
             opt.step()
     return dict(params=whole_params(model), status=opt.early_start, skipped=opt.skipped_steps,
                 early_buckets=opt.last_step_stats.early_buckets,

@@ -14,7 +14,7 @@ import torch
 
 import dmuon
 from tests.harness import run_on_ranks
-from tests.helpers import GRADIENT_CHANGES, SMALL_BUCKET_BYTES, assert_same_run, tiny_mlp, train_llama
+from tests.helpers import SMALL_BUCKET_BYTES, assert_same_run, change_gradients, tiny_mlp, train_llama
 
 
 def test_ddp_without_dmuons_comm_hook_falls_back_and_says_why():
@@ -93,8 +93,7 @@ def _ddp_mlp(early_start: bool, view: bool = False, change: str | None = None, m
                 opt.step(backward)
                 continue
             backward()
-            if change is not None:
-                GRADIENT_CHANGES[change](model)
+            change_gradients(model, change)
             opt.step()
     return dict(params={n: p.detach().clone() for n, p in model.named_parameters()}, status=opt.early_start,
                 early_buckets=opt.last_step_stats.early_buckets, skipped=opt.skipped_steps,
