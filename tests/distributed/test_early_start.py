@@ -53,18 +53,19 @@ def test_early_start_gives_the_same_bits_as_the_step_at_step(parallel, world, dt
 
 
 def _owner_mlp(early_start: bool, accumulate: str | None = None, layers: int = 4, change: str | None = None,
-               on_rank: int | None = None, reshard_after_forward: bool = False) -> dict:
+               on_rank: int | None = None, reshard_after_forward: bool = False,
+               dtype: torch.dtype = torch.float32) -> dict:
     """Three steps of the MLP owner-sharded (each Linear a layer), each over two micro-batches
     where ``accumulate`` says how: "no_sync" (the first inside the sharding's no_sync) or "twice"
     (two plain backward passes, both reduced); ``GRADIENT_CHANGES[change]`` runs between
-    backward() and step() on rank ``on_rank`` (None: on every rank)."""
+    backward() and step() on rank ``on_rank`` (None: on every rank); weights in ``dtype``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    model = tiny_mlp(layers=layers)
+    model = tiny_mlp(layers=layers, dtype=dtype)
     sharding = dmuon.shard_by_owner(model, init_device_mesh("cpu", (dist.get_world_size(),)), layers=list(model),
                                     reshard_after_forward=reshard_after_forward)
-    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * dtype.itemsize, early_start=early_start)
     torch.manual_seed(1 + dist.get_rank())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -73,7 +74,7 @@ def _owner_mlp(early_start: bool, accumulate: str | None = None, layers: int = 4
             for micro in range(1 if accumulate is None else 2):
                 first = micro == 0 and accumulate == "no_sync"
                 with sharding.no_sync() if first else contextlib.nullcontext():
-                    model(torch.randn(8, 32)).square().mean().backward()
+                    model(torch.randn(8, 32, dtype=dtype)).square().mean().backward()
             change_gradients(model, change, on_rank)
             opt.step()
     return dict(params=whole_params(model), status=opt.early_start, early_buckets=opt.last_step_stats.early_buckets,
@@ -97,17 +98,18 @@ def test_owner_sharded_early_start_with_and_without_accumulation(world, accumula
             assert torch.equal(value, off["params"][name]) and torch.equal(value, ons[0]["params"][name]), name
 
 
-@pytest.mark.parametrize("world,change,on_rank,z3", [
-    (2, "dmuon clip", None, False), (3, "dmuon clip", None, True),
-    (2, "scale", 1, True), (3, "unscale", 2, False),
+@pytest.mark.parametrize("world,change,on_rank,z3,dtype", [
+    (2, "dmuon clip", None, False, torch.float32), (3, "dmuon clip", None, True, torch.bfloat16),
+    (2, "scale", 1, True, torch.float32), (3, "unscale", 2, False, torch.bfloat16),
 ])
-def test_owner_sharded_gradients_changed_after_backward_redo_the_work(world, change, on_rank, z3):
+def test_owner_sharded_gradients_changed_after_backward_redo_the_work(world, change, on_rank, z3, dtype):
     """The owners' reduced gradients clipped with dmuon.clip_grad_norm_ on every rank, or scaled
     or unscaled (GradScaler's op) on one rank only, after early start read them: every rank
     redoes the work, with one warning each, and the bits match the run without early start. (A
     replicated bias whose gradient one rank changes differs on that rank, with or without early
     start, as under DDP: only the owners' matrices are compared across ranks then.)"""
-    ons, offs = (run_on_ranks(world, _owner_mlp, early, None, 4, change, on_rank, z3) for early in (True, False))
+    ons, offs = (run_on_ranks(world, _owner_mlp, early, None, 4, change, on_rank, z3, dtype)
+                 for early in (True, False))
     for on, off in zip(ons, offs):
         assert on["status"].startswith("off: the gradients changed") and on["warnings"] == 1
         for name, value in on["params"].items():
