@@ -19,7 +19,8 @@ Two algorithms compute the same composition:
 Every matrix is processed as a 3-D batch ``(B, m, n)`` with batched kernels. Whether a matrix
 then gives bitwise the same result alone (B = 1) as stacked with others of its shape — what the
 distributed engine needs to match the single-process step exactly — is up to the GEMM kernels.
-On CPU it holds in bf16, and in fp32 and fp64 with one intra-op thread
+On CPU it holds in bf16 (small products padded so that torch picks one kernel for every batch:
+``ONEDNN_MIN_WORK``), and in fp32 and fp64 with one intra-op thread
 (``torch.get_num_threads() == 1``) for the shapes tried, with exceptions that docs/concepts.md
 lists with the measured differences (tests/unit/test_numerics_edge_cases.py checks this
 machine's BLAS).
@@ -347,12 +348,59 @@ def _normalize_scaled(X: Tensor, eps: float) -> Tensor:
 SYMMETRIC_PRODUCTS = ("torch", "triton")
 
 
+# torch's CPU products take one of two kernels by size: a batched product goes to oneDNN only where
+# batch·m·k·n exceeds 16³, and runs a matrix at a time on another kernel below that. The two can
+# round a near tie the other way (bf16 on CPUs with AVX512-BF16 or AMX; measured with
+# `python benchmarks/stack_bits.py`: a lone 16×16 Gram matrix's b·A + c·A² took the second kernel,
+# a stack of two of them the first), so a small matrix's bits would depend on how many others
+# share its batch. A batch below that size is therefore padded with zero matrices past it: every
+# batch takes oneDNN, and zero matrices leave the others' results alone. Running every small
+# product a matrix at a time instead would keep lone matrices as fast as before but made stacks of
+# 64 small matrices 5–9× slower; padding costs a lone matrix one oneDNN call (about 45 µs on a
+# 2-core AMD EPYC) per padded product.
+ONEDNN_MIN_WORK = 16**3
+
+
+def _one_kernel_batch(A: Tensor, B: Tensor) -> int:
+    """How many matrices the product of stacks A·B runs as: padded past ``ONEDNN_MIN_WORK`` where
+    torch's CPU kernel would otherwise depend on the batch, else A's batch."""
+    batch, m, k = A.shape
+    work = m * k * B.shape[-1]
+    if batch * work > ONEDNN_MIN_WORK or work == 0 or A.device.type != "cpu" or torch.compiler.is_compiling():
+        return batch
+    return ONEDNN_MIN_WORK // work + 1
+
+
+def _padded(X: Tensor, batch: int) -> Tensor:
+    """``X`` with zero matrices appended up to ``batch``, laid out like ``X`` (a transposed view of a
+    contiguous stack stays one: the kernels' bits depend on the operands' layout too)."""
+    if not X.is_contiguous() and X.mT.is_contiguous():
+        return _padded(X.mT, batch).mT
+    return torch.cat([X, X.new_zeros(batch - X.shape[0], *X.shape[1:])])
+
+
+def _bmm(A: Tensor, B: Tensor) -> Tensor:
+    """``torch.bmm`` on one kernel for every batch of a shape (``ONEDNN_MIN_WORK``)."""
+    batch = _one_kernel_batch(A, B)
+    if batch == A.shape[0]:
+        return torch.bmm(A, B)
+    return torch.bmm(_padded(A, batch), _padded(B, batch))[: A.shape[0]]
+
+
+def _baddbmm(C: Tensor, A: Tensor, B: Tensor, *, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """``torch.baddbmm`` on one kernel for every batch of a shape (``ONEDNN_MIN_WORK``)."""
+    batch = _one_kernel_batch(A, B)
+    if batch == A.shape[0]:
+        return torch.baddbmm(C, A, B, beta=beta, alpha=alpha)
+    return torch.baddbmm(_padded(C, batch), _padded(A, batch), _padded(B, batch), beta=beta, alpha=alpha)[: A.shape[0]]
+
+
 def _local_gram(X: Tensor) -> Tensor:
-    return torch.bmm(X, X.mT)
+    return _bmm(X, X.mT)
 
 
 # ``gram(X)`` computes X·Xᵀ (locally, or all-reduced over column blocks); ``symmetric(C, A, B,
-# beta=, alpha=)`` is ``torch.baddbmm`` for the products known to be symmetric (polynomials of
+# beta=, alpha=)`` is :func:`_baddbmm` for the products known to be symmetric (polynomials of
 # one symmetric matrix), which a one-triangle kernel may compute instead.
 SymmetricProduct = Callable[..., Tensor]
 
@@ -361,20 +409,20 @@ def _products(config: NSConfig) -> tuple[Callable[[Tensor], Tensor], SymmetricPr
     """The Gram and symmetric-product kernels ``config.symmetric`` asks for."""
     if config.symmetric == "triton":
         return symmetric_gram, symmetric_baddbmm
-    return _local_gram, torch.baddbmm
+    return _local_gram, _baddbmm
 
 
 def _standard(X: Tensor, schedule: Sequence[Coefficients], gram: Callable[[Tensor], Tensor] = _local_gram,
-              symmetric: SymmetricProduct = torch.baddbmm) -> Tensor:
+              symmetric: SymmetricProduct = _baddbmm) -> Tensor:
     for a, b, c in schedule:
         A = gram(X)
         B = symmetric(A, A, A, beta=b, alpha=c)  # b·A + c·A²
-        X = torch.baddbmm(X, B, X, beta=a)  # a·X + B·X
+        X = _baddbmm(X, B, X, beta=a)  # a·X + B·X
     return X
 
 
 def _gram(X: Tensor, schedule: Sequence[Coefficients], restarts: Sequence[int],
-          gram: Callable[[Tensor], Tensor] = _local_gram, symmetric: SymmetricProduct = torch.baddbmm) -> Tensor:
+          gram: Callable[[Tensor], Tensor] = _local_gram, symmetric: SymmetricProduct = _baddbmm) -> Tensor:
     # Z_t = a·I + W_t with W_t = b·R + c·R². The a·I term never goes through a low-precision
     # product: it enters as the beta of baddbmm (Q·Z = a·Q + Q·W, R·Z = a·R + R·W), whose
     # scaling and accumulation the kernel does at its accumulator precision.
@@ -383,7 +431,7 @@ def _gram(X: Tensor, schedule: Sequence[Coefficients], restarts: Sequence[int],
     steps = len(schedule)
     for t, (a, b, c) in enumerate(schedule):
         if t in restarts:
-            X = torch.bmm(Q, X)
+            X = _bmm(Q, X)
             R = gram(X)
             Q = None
         W = symmetric(R, R, R, beta=b, alpha=c)
@@ -391,7 +439,7 @@ def _gram(X: Tensor, schedule: Sequence[Coefficients], restarts: Sequence[int],
             Q = W.clone()
             Q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
-            Q = torch.baddbmm(Q, Q, W, beta=a)
+            Q = _baddbmm(Q, Q, W, beta=a)
         if t + 1 < steps and t + 1 not in restarts:
             RZ = symmetric(R, R, W, beta=a)
             R = symmetric(RZ, W, RZ, beta=a)  # Z·R·Z
@@ -399,7 +447,7 @@ def _gram(X: Tensor, schedule: Sequence[Coefficients], restarts: Sequence[int],
             # part costs m² and cuts the fp16 error (docs/numerics.md §Gram Newton–Schulz).
             R = (R + R.mT) * 0.5
     assert Q is not None
-    return torch.bmm(Q, X)
+    return _bmm(Q, X)
 
 
 @dataclass(frozen=True)
@@ -479,9 +527,9 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
 # cache goes to memory on every sweep. Chunks whose working set (X, X·Xᵀ, the polynomial, the
 # new X) stays within this many bytes keep it in cache: 10–20 % faster for stacks of 16 matrices
 # of 512×512 or 512×1536 in bf16 (BENCHMARKS.md, "Newton–Schulz in chunks on CPU").
-# A chunk holds at least two matrices: torch's CPU products take another kernel for a batch of
-# one, which can round a near tie the other way (docs/concepts.md, "Exactness"), while batches of
-# two or more give each matrix the same bits; so a stack's chunks keep the bits of the whole stack.
+# A chunk holds at least two matrices, so that no chunk runs a matrix alone where the whole stack
+# would not: lone and stacked matrices were compared bit for bit only for the shapes of
+# benchmarks/stack_bits.py (equal there; small products are padded, see ONEDNN_MIN_WORK).
 CPU_CHUNK_BYTES = 8 << 20
 
 

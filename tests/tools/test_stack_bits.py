@@ -19,7 +19,7 @@ def test_every_matrix_is_compared():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if "differ alone" in line]
-    assert len(rows) == 7 and all(" of 3 " in row for row in rows), done.stdout
+    assert len(rows) == 11 and all(" of 3 " in row for row in rows), done.stdout
 
 
 def test_a_difference_is_counted(monkeypatch):

@@ -187,9 +187,9 @@ def stack_differences(dtype: torch.dtype, method: str, threads: int, batch: int 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_stack_is_bitwise_per_matrix(threads):
-    """docs/concepts.md, "Exactness": bf16 Newton–Schulz gives the same bits stacked or alone for
-    these shapes and inputs (a lone matrix's products take another kernel, which can round a near
-    tie the other way: 2 of 140 40×16 matrices did on an AMD EPYC, none of the shapes here)."""
+    """docs/concepts.md, "Exactness": bf16 Newton–Schulz gives the same bits stacked or alone
+    (small products padded onto one kernel: tests/unit/test_orthogonalization.py tries the shapes
+    where they were not)."""
     assert all(d == 0 for d in stack_differences(BF16, "standard", threads).values())
 
 

@@ -190,7 +190,7 @@ def test_chunked_stack_equals_whole_stack(monkeypatch, dtype, shape):
     chunked = orthogonalize(stack, config)
     assert chunked.dtype == F32 and chunked.is_contiguous() and chunked.shape == stack.shape
     monkeypatch.setattr(orthogonalization, "CPU_CHUNK_BYTES", 1 << 40)
-    # 7 matrices in chunks of 3, 2 and 2: never a lone matrix, whose products take another kernel
+    # 7 matrices in chunks of 3, 2 and 2
     assert torch.equal(chunked, torch.cat([orthogonalize(chunk, config) for chunk in stack.split([3, 2, 2])]))
     assert torch.equal(chunked, orthogonalize(stack, config))
 
@@ -200,6 +200,41 @@ def test_chunks_only_on_cpu_and_never_empty():
     assert orthogonalization.matrices_per_chunk(1536, 512, BF16, "cpu") == 2  # the wide working set
     assert orthogonalization.matrices_per_chunk(8192, 8192, F32, "cpu") == 2  # never a lone matrix
     assert orthogonalization.matrices_per_chunk(8192, 8192, F16, "cuda") > 10**9
+
+
+@pytest.mark.parametrize("shape", [(40, 16), (16, 16), (12, 30), (8, 64), (64, 8), (1, 64)])
+def test_a_small_matrix_gets_the_bits_alone_that_it_gets_in_a_stack(shape):
+    """A rank may orthogonalize alone a matrix that one process stacks with others of its shape.
+    Products of a short side up to 16 take torch's other CPU kernel below 16³ multiply-adds a batch;
+    unpadded, 11 of these 1,260 matrices (all shapes but 1×64) came out different alone in bf16 on a
+    2-core AMD EPYC with AVX512-BF16, by up to 7.8e-3."""
+    config = orthogonalization.resolve_config(shape, "cpu", dtype=BF16, method="standard")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for seed in range(30):
+            stack = torch.randn(7, *shape, generator=torch.Generator().manual_seed(seed), dtype=F64).float()
+            stacked = orthogonalize(stack, config)
+            for matrix, in_stack in zip(stack, stacked):
+                assert torch.equal(orthogonalize(matrix, config), in_stack), (seed, shape)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_small_cpu_products_are_padded_past_the_kernel_switch():
+    def batch(b: int, m: int, k: int, n: int, device: str = "cpu") -> int:
+        return orthogonalization._one_kernel_batch(torch.empty(b, m, k, device=device),
+                                                   torch.empty(b, k, n, device=device))
+
+    assert batch(1, 16, 16, 16) == 2 and batch(2, 16, 16, 16) == 2  # 16³ is not past the switch
+    assert batch(1, 12, 12, 12) == 3 and batch(1, 1, 1, 1) == 4097 and batch(5, 1, 1, 1) == 4097
+    assert batch(1, 17, 17, 17) == 1 and batch(1, 1, 1, 5000) == 1  # past it: as they are
+    assert batch(1, 0, 16, 16) == 1  # empty: nothing to pad
+    assert batch(1, 16, 16, 16, device="meta") == 1  # CPU only
+    A = torch.randn(1, 16, 40, dtype=BF16)
+    gram = orthogonalization._local_gram(A)
+    assert gram.shape == (1, 16, 16) and torch.equal(gram, torch.bmm(torch.cat([A, torch.zeros_like(A)]),
+                                                                     torch.cat([A, torch.zeros_like(A)]).mT)[:1])
 
 
 # ---------------------------------------------------------------- 5. degenerate inputs
