@@ -551,16 +551,41 @@ def _orthogonalize_stack(stack: Tensor, config: NSConfig) -> Tensor:
     tall = stack.shape[-2] > stack.shape[-1]
     if tall:
         X = _transposed(X)
+    m, n = X.shape[-2:]
+    X = _aligned(X)
     gram, symmetric = _products(config)
     if config.method == "gram":
         X = _gram(X, config.schedule, config.restarts, gram, symmetric)
     else:
         X = _standard(X, config.schedule, gram, symmetric)
+    X = X[:, :m, :n]
     # a tall result is the transpose of what the products left: the caller lays it out row-major
     # in its cast (one pass over the narrow dtype), not in every later copy of its rows. Always
     # row-major, even where no cast is needed: on CPU, adding a bf16 update into a parameter
     # rounds differently for strided and contiguous operands, and replicas must get the same bits.
     return X.mT if tall else X
+
+
+# MKL's fp32 and fp64 products can round a matrix by where it lies in memory, even at one thread:
+# a matrix on a 64-byte boundary (a lone one, or the first of a stack) and one off it (the later
+# matrices of a stack whose matrices are not a multiple of 64 bytes) got other bits (on a 2-core
+# AMD EPYC, 30 of 50 9×130 fp32 matrices differed stacked from alone; 20 of 50 in fp64). On CPU,
+# Newton–Schulz in these dtypes therefore pads each matrix with zero rows and columns to sides that
+# are multiples of ALIGNED_SIDE: every matrix of a stack and of its m×m products then starts on a
+# 64-byte boundary. The zero rows and columns stay zero through every step and leave the rest
+# unchanged in exact arithmetic.
+ALIGNED_SIDE = 4
+
+
+def _aligned(X: Tensor) -> Tensor:
+    """The stack ``(B, m, n)`` padded with zero rows and columns to sides that are multiples of
+    ``ALIGNED_SIDE``, where its products would otherwise depend on the matrices' alignment."""
+    if X.device.type != "cpu" or X.dtype not in (torch.float32, torch.float64) or torch.compiler.is_compiling():
+        return X
+    missing_rows, missing_columns = -X.shape[-2] % ALIGNED_SIDE, -X.shape[-1] % ALIGNED_SIDE
+    if not (missing_rows or missing_columns):
+        return X
+    return torch.nn.functional.pad(X, (0, missing_columns, 0, missing_rows))
 
 
 def _transposed(X: Tensor) -> Tensor:
