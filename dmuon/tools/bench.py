@@ -47,9 +47,11 @@ spike by tens of percent); a ratio (optimizer step vs vanilla Muon of the same m
 is the median of the per-round ratios, shown with the 95 % confidence interval of their geometric
 mean (±, relative; ``--verbose``: their min-max too). Times are medians over the measured steps of
 the slowest rank. The rounds go on past ``--steps`` while a headline ratio — each dmuon
-configuration's step vs AdamW, and its optimizer step vs vanilla Muon (not for early start,
-whose Newton–Schulz runs in the backward pass) — is not within ``SETTLE_LIMIT`` (±10 %) and the
-whole run's ``--max-seconds`` allow another round; the report says which happened. It prints
+configuration's step vs AdamW's and vs vanilla Muon's — is not within ``SETTLE_LIMIT`` (±10 %)
+and the whole run's ``--max-seconds`` allow another round; the report says which happened. Such
+an extra round steps only the configurations of the unsettled ratios and their baselines (a
+ratio pairs the rounds both of its configurations ran), so a slow configuration whose ratios
+settled does not use up the budget of the ones still moving. It prints
 the verdict first (per dmuon configuration: its step against AdamW's, with the overhead in
 percent, and its optimizer step against vanilla Muon's), with the model's size and the tokens
 per step, then the table. A run warns — in the report and in ``--json`` (``warnings``,
@@ -162,8 +164,9 @@ class BenchResult:
     train_bytes_per_step: float | None  # forward + backward data-parallel traffic per rank (training_traffic)
     peak_mem_bytes: int  # largest per-rank rise over the memory held before the model existed
     final_loss: float  # loss of the last step, mean over ranks (the last progress line's figure)
-    # per round: the least of the round's steps of the slowest rank's times (empty: one round of
-    # opt_step_ms / step_ms)
+    # per round: the least of the round's steps of the slowest rank's times, NaN for a round the
+    # configuration sat out (an extra round steps only what an unsettled ratio needs); empty: one
+    # round of opt_step_ms / step_ms
     round_opt_step_ms: tuple[float, ...] = ()
     round_step_ms: tuple[float, ...] = ()
     # dmuon.Muon only: per round, the busiest rank's Newton–Schulz calls of a step timed alone
@@ -207,7 +210,8 @@ def relative_halfwidth(ratios: list[float]) -> float | None:
 
 
 def per_round_ratio(values: tuple[float, ...], bases: tuple[float, ...]) -> Ratio | None:
-    """Ratios of ``values`` to ``bases`` round by round (both measured in the same rounds)."""
+    """Ratios of ``values`` to ``bases`` round by round, over the rounds both were measured in (a
+    round one of them sat out is NaN, which the comparisons leave out)."""
     ratios = [v / b for v, b in zip(values, bases) if b > 0 and v > 0]
     if not ratios:
         return None
@@ -275,6 +279,18 @@ def headline(results: list[BenchResult]) -> list[tuple[str, str]]:
     return [(r.config, what) for r in results if "-dmuon" in r.config for what in ("step_vs_adamw", "step_vs_vanilla")]
 
 
+def configs_to_settle(results: list[BenchResult]) -> list[str]:
+    """The configurations an extra round must step: those of each unsettled headline ratio and their
+    baselines (AdamW or vanilla Muon of the mode), in the run's order; none when all settled."""
+    comparisons, needed = compare(results), set()
+    for name, what in headline(results):
+        ratio = comparisons[name][what]
+        if isinstance(ratio, Ratio) and not ratio.settled:
+            baseline = "adamw" if what == "step_vs_adamw" else "torch-muon"
+            needed |= {name, f"{_baseline_mode(name)}-{baseline}"}
+    return [r.config for r in results if r.config in needed]
+
+
 def unsettled(results: list[BenchResult]) -> list[str]:
     """The headline ratios whose interval is wider than ±SETTLE_LIMIT, as "<config> <ratio>"."""
     comparisons = compare(results)
@@ -313,8 +329,9 @@ def json_records(results: list[BenchResult], load: Load | None = None) -> list[d
     records = []
     for r in results:
         record = asdict(r)
-        record["round_opt_step_ms"], record["round_step_ms"] = list(r.rounds("opt_step_ms")), list(r.rounds("step_ms"))
-        record["round_ns_alone_ms"] = list(r.round_ns_alone_ms)
+        for what in ("opt_step_ms", "step_ms", "ns_alone_ms"):  # null: a round it sat out
+            values = r.round_ns_alone_ms if what == "ns_alone_ms" else r.rounds(what)
+            record[f"round_{what}"] = [None if math.isnan(v) else v for v in values]
         for what, ratio in comparisons[r.config].items():
             if isinstance(ratio, Ratio):
                 record.update({what: ratio.median, f"{what}_min": ratio.low, f"{what}_max": ratio.high,
@@ -430,6 +447,10 @@ class StepRecord:
     ns_s: float | None = None  # the step's Newton–Schulz calls timed alone (dmuon.Muon only)
 
 
+# the stand-in record of a round a configuration sat out
+_SAT_OUT = StepRecord("", 0, 0, math.nan, math.nan, math.nan, math.nan)
+
+
 def round_order(configs: list[str], round_index: int) -> list[str]:
     """The configurations in round ``round_index``: rotated by one place per round."""
     k = round_index % len(configs)
@@ -448,8 +469,9 @@ def run_rounds(trainers: dict, *, warmup: int, steps: int, steps_per_round: int,
     rotated by round, so a change of load lands on every configuration alike. After each measured
     step, the trainer times that step's Newton–Schulz calls alone (``ns_alone_s``). Times come from
     :data:`clock`; ``mean_loss`` turns a rank's loss into the figure printed (all ranks' mean).
-    ``more(records)``, asked after the planned rounds and after each extra one, says whether to
-    run another round (every rank must get the same answer)."""
+    ``more(records)``, asked after the planned rounds and after each extra one, names the
+    configurations to step in another round, in any order (none: stop; every rank must get the
+    same answer)."""
     configs, done, records = list(trainers), {name: 0 for name in trainers}, []
     planned = rounds_of(steps, steps_per_round)
 
@@ -458,8 +480,8 @@ def run_rounds(trainers: dict, *, warmup: int, steps: int, steps_per_round: int,
         for i, n in enumerate(planned):
             yield i, round_order(configs, i), n
         i = len(planned)
-        while more is not None and more(records):
-            yield i, round_order(configs, i), steps_per_round
+        while more is not None and (chosen := set(more(records))):
+            yield i, round_order([name for name in configs if name in chosen], i), steps_per_round
             i += 1
 
     for round_index, order, n in rounds():
@@ -493,13 +515,13 @@ def run_rounds(trainers: dict, *, warmup: int, steps: int, steps_per_round: int,
 
 def summarize(records: list[StepRecord], world: int) -> dict[str, BenchResult]:
     """Per configuration: medians over measured steps, and per round the least, of the (already
-    slowest-rank) times."""
+    slowest-rank) times; NaN for a round it sat out."""
     out = {}
+    rounds = sorted({r.round for r in records if r.round >= 0})
     for name in dict.fromkeys(r.config for r in records):
         mine = [r for r in records if r.config == name]
         measured = [r for r in mine if r.round >= 0]
-        rounds = sorted({r.round for r in measured})
-        per_round = [[r for r in measured if r.round == i] for i in rounds]
+        per_round = [[r for r in measured if r.round == i] or [_SAT_OUT] for i in rounds]
         out[name] = BenchResult(
             name, world,
             statistics.median(r.opt_s for r in measured) * 1e3, statistics.median(r.step_s for r in measured) * 1e3,
@@ -533,17 +555,18 @@ def _timed(names: list[str], args: argparse.Namespace, rank: int, world: int, de
         return [dataclasses.replace(r, opt_s=opt_s, step_s=step_s, ns_s=None if ns_s < 0 else ns_s)
                 for r, (opt_s, step_s, ns_s) in zip(records, times.tolist())]
 
-    def more(records: list[StepRecord]) -> bool:
-        """Another round while a headline ratio is unsettled and the run's time allows one (the
-        same answer on every rank: from the slowest rank's times and the latest clock)."""
+    def more(records: list[StepRecord]) -> list[str]:
+        """The configurations of the unsettled headline ratios, for another round, while the run's
+        time allows one (the same answer on every rank: from the slowest rank's times and the
+        latest clock)."""
         now = torch.tensor([time.time()], dtype=torch.float64, device=device)
         dist.all_reduce(now, op=dist.ReduceOp.MAX)
         measured = slowest([r for r in records if r.round >= 0])
-        last = max(r.round for r in measured)
-        round_s = sum(r.step_s for r in measured if r.round == last)
-        if now.item() + round_s > args.deadline:
-            return False
-        return bool(unsettled(list(summarize(measured, world).values())))
+        chosen = configs_to_settle(list(summarize(measured, world).values()))
+        latest = {r.config: r.step_s for r in measured}  # each configuration's last step
+        if now.item() + sum(latest[name] for name in chosen) * args.steps_per_round > args.deadline:
+            return []
+        return chosen
 
     dist.barrier()
     start = time.perf_counter()  # the machine's monotonic clock: the parent compares it with its own
@@ -958,7 +981,8 @@ def run(args: argparse.Namespace) -> int:
         timed = run_config(args.configs, args, mode="timed")
     measured = timed["results"]
     # the rounds come last in the ranks' run: the load that matters is the run's tail
-    rounds_seconds = sum(sum(r.rounds("step_ms")) * max(1, args.steps_per_round) for r in measured.values()) / 1e3
+    rounds_seconds = sum(math.fsum(t for t in r.rounds("step_ms") if not math.isnan(t)) * max(1, args.steps_per_round)
+                         for r in measured.values()) / 1e3
     load = Load(others.cores_used_in_last(rounds_seconds), os.cpu_count() or 1)
     results = [dataclasses.replace(measured[name], peak_mem_bytes=peaks.get(name, 0)) for name in args.configs]
     print(format_table(results, load, about=model_summary(args), verbose=args.verbose))

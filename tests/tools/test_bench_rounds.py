@@ -289,12 +289,52 @@ def test_the_rounds_go_on_until_the_ratios_settle(fake_clock):
     def more(records):
         results = list(summarize([r for r in records if r.round >= 0], 2).values())
         asked.append(len(results[0].round_step_ms))
-        return bool(bench.unsettled(results)) and len(asked) < 20
+        return bench.configs_to_settle(results) if len(asked) < 20 else []
 
     records = run_rounds(trainers, warmup=1, steps=2, steps_per_round=1, more=more)
     results = list(summarize(records, 2).values())
     assert asked[0] == 2 and asked == list(range(2, 2 + len(asked)))  # after the planned rounds, then each
     assert 2 < len(results[0].round_step_ms) < 21 and not bench.unsettled(results)
+
+
+def test_an_extra_round_steps_only_the_configurations_of_unsettled_ratios(fake_clock):
+    """ddp's ratios disagree between the two planned rounds, fsdp's do not: the extra rounds step
+    ddp-dmuon and its two baselines alone, and the ratios pair the rounds both configurations ran."""
+    times = {f"{mode}-{opt}": (1.0, t) for mode in ("ddp", "fsdp")
+             for opt, t in (("adamw", 0.1), ("torch-muon", 2.0), ("dmuon", 1.0))}
+    calls = []
+    trainers = _trainers(fake_clock, calls, times)
+    ddp = trainers["ddp-dmuon"]
+    turns = []
+
+    def optimizer_step():  # its second turn (round 1) runs at 1.5 times the load
+        turns.append(None)
+        fake_clock.load = 1.5 if len(turns) == 2 else 1.0
+        fake_clock.advance(ddp.opt_s)
+        fake_clock.load = 1.0
+
+    ddp.optimizer_step = optimizer_step
+    chosen = []
+
+    def more(records):
+        results = list(summarize([r for r in records if r.round >= 0], 2).values())
+        chosen.append(bench.configs_to_settle(results))
+        return chosen[-1] if len(chosen) < 10 else []
+
+    records = run_rounds(trainers, warmup=0, steps=2, steps_per_round=1, more=more)
+    assert chosen[0] == ["ddp-adamw", "ddp-torch-muon", "ddp-dmuon"]
+    extra = {r.config for r in records if r.round >= 2}
+    assert extra == {"ddp-adamw", "ddp-torch-muon", "ddp-dmuon"} and chosen[-1] == []
+    results = {r.config: r for r in summarize(records, 2).values()}
+    rounds = len(results["ddp-dmuon"].round_step_ms)
+    assert rounds > 2 and len(results["fsdp-dmuon"].round_step_ms) == rounds  # NaN where it sat out
+    assert sum(t == t for t in results["fsdp-dmuon"].round_step_ms) == 2
+    comparisons = bench.compare(list(results.values()))
+    assert comparisons["fsdp-dmuon"]["step_vs_adamw"].median == pytest.approx(2.0 / 1.1)
+    assert comparisons["ddp-dmuon"]["step_vs_adamw"].settled and not bench.unsettled(list(results.values()))
+    record = next(r for r in json_records(list(results.values())) if r["config"] == "fsdp-dmuon")
+    assert record["round_step_ms"][2:] == [None] * (rounds - 2)
+    json.dumps(record, allow_nan=False)  # sat-out rounds are null, not NaN
 
 
 def test_the_verdict_states_the_model_and_the_tokens_per_step():
