@@ -270,20 +270,24 @@ def test_only_the_headline_ratios_warn():
     assert any("fsdp-dmuon-early step vs adamw" in w for w in run_warnings([adamw, vanilla, jittery], Load(0.0, 2)))
 
 
-def test_the_rounds_go_on_until_the_ratios_settle(fake_clock):
-    """Rounds 1 and 2 disagree (the load doubles for dmuon's turn in round 2): ``more`` adds rounds
-    until the interval is within ±10 %; it is asked after the planned rounds and each extra one."""
-    trainers = _trainers(fake_clock, [])
-    dmuon = trainers["fsdp-dmuon"]
+def slow_turn(trainer: FakeTrainer, clock: FakeClock, turn: int, load: float) -> None:
+    """Make ``trainer``'s optimizer step number ``turn`` (from 1, warm-up included) run at ``load``."""
     turns = []
 
     def optimizer_step():
         turns.append(None)
-        fake_clock.load = 1.3 if len(turns) == 3 else 1.0
-        fake_clock.advance(dmuon.opt_s)
-        fake_clock.load = 1.0
+        clock.load = load if len(turns) == turn else 1.0
+        clock.advance(trainer.opt_s)
+        clock.load = 1.0
 
-    dmuon.optimizer_step = optimizer_step
+    trainer.optimizer_step = optimizer_step
+
+
+def test_the_rounds_go_on_until_the_ratios_settle(fake_clock):
+    """Rounds 1 and 2 disagree (the load doubles for dmuon's turn in round 2): ``more`` adds rounds
+    until the interval is within ±10 %; it is asked after the planned rounds and each extra one."""
+    trainers = _trainers(fake_clock, [])
+    slow_turn(trainers["fsdp-dmuon"], fake_clock, turn=3, load=1.3)
     asked = []
 
     def more(records):
@@ -304,16 +308,7 @@ def test_an_extra_round_steps_only_the_configurations_of_unsettled_ratios(fake_c
              for opt, t in (("adamw", 0.1), ("torch-muon", 2.0), ("dmuon", 1.0))}
     calls = []
     trainers = _trainers(fake_clock, calls, times)
-    ddp = trainers["ddp-dmuon"]
-    turns = []
-
-    def optimizer_step():  # its second turn (round 1) runs at 1.5 times the load
-        turns.append(None)
-        fake_clock.load = 1.5 if len(turns) == 2 else 1.0
-        fake_clock.advance(ddp.opt_s)
-        fake_clock.load = 1.0
-
-    ddp.optimizer_step = optimizer_step
+    slow_turn(trainers["ddp-dmuon"], fake_clock, turn=2, load=1.5)  # round 1
     chosen = []
 
     def more(records):
