@@ -21,9 +21,8 @@ then gives bitwise the same result alone (B = 1) as stacked with others of its s
 distributed engine needs to match the single-process step exactly — is up to the GEMM kernels.
 On CPU it holds in bf16 (small products padded so that torch picks one kernel for every batch:
 ``ONEDNN_MIN_WORK``), and in fp32 and fp64 with one intra-op thread
-(``torch.get_num_threads() == 1``) for the shapes tried, with exceptions that docs/concepts.md
-lists with the measured differences (tests/unit/test_numerics_edge_cases.py checks this
-machine's BLAS).
+(``torch.get_num_threads() == 1``; matrices padded to 64-byte alignment: ``ALIGNED_SIDE``) for
+every shape tested (tests/unit/test_numerics_edge_cases.py; docs/concepts.md, "Exactness").
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ an extra round steps only the configurations of the unsettled ratios and their b
 ratio pairs the rounds both of its configurations ran), so a slow configuration whose ratios
 settled does not use up the budget of the ones still moving. It prints
 the verdict first (per dmuon configuration: its step against AdamW's, with the overhead in
-percent, and its optimizer step against vanilla Muon's), with the model's size and the tokens
+percent, and against vanilla Muon's), with the model's size and the tokens
 per step, then the table. A run warns — in the report and in ``--json`` (``warnings``,
 ``trustworthy``) — when other jobs took more than ``OTHER_LOAD_LIMIT`` (10 %) of the machine's
 cores during the rounds (``/proc/stat`` busy time, steal included, minus the ranks' own CPU
