@@ -378,20 +378,22 @@ def _padded(X: Tensor, batch: int) -> Tensor:
     return torch.cat([X, X.new_zeros(batch - X.shape[0], *X.shape[1:])])
 
 
-def _bmm(A: Tensor, B: Tensor) -> Tensor:
-    """``torch.bmm`` on one kernel for every batch of a shape (``ONEDNN_MIN_WORK``)."""
+def _on_one_kernel(product: Callable[..., Tensor], *operands: Tensor, **scalars: float) -> Tensor:
+    """``product(*operands, **scalars)``, a batched product whose last two operands are the
+    factors, on one kernel for every batch of a shape (``ONEDNN_MIN_WORK``)."""
+    A, B = operands[-2:]
     batch = _one_kernel_batch(A, B)
     if batch == A.shape[0]:
-        return torch.bmm(A, B)
-    return torch.bmm(_padded(A, batch), _padded(B, batch))[: A.shape[0]]
+        return product(*operands, **scalars)
+    return product(*(_padded(t, batch) for t in operands), **scalars)[: A.shape[0]]
+
+
+def _bmm(A: Tensor, B: Tensor) -> Tensor:
+    return _on_one_kernel(torch.bmm, A, B)
 
 
 def _baddbmm(C: Tensor, A: Tensor, B: Tensor, *, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
-    """``torch.baddbmm`` on one kernel for every batch of a shape (``ONEDNN_MIN_WORK``)."""
-    batch = _one_kernel_batch(A, B)
-    if batch == A.shape[0]:
-        return torch.baddbmm(C, A, B, beta=beta, alpha=alpha)
-    return torch.baddbmm(_padded(C, batch), _padded(A, batch), _padded(B, batch), beta=beta, alpha=alpha)[: A.shape[0]]
+    return _on_one_kernel(torch.baddbmm, C, A, B, beta=beta, alpha=alpha)
 
 
 def _local_gram(X: Tensor) -> Tensor:

@@ -329,9 +329,9 @@ def json_records(results: list[BenchResult], load: Load | None = None) -> list[d
     records = []
     for r in results:
         record = asdict(r)
-        for what in ("opt_step_ms", "step_ms", "ns_alone_ms"):  # null: a round it sat out
-            values = r.round_ns_alone_ms if what == "ns_alone_ms" else r.rounds(what)
-            record[f"round_{what}"] = [None if math.isnan(v) else v for v in values]
+        for key, values in (("round_opt_step_ms", r.rounds("opt_step_ms")), ("round_step_ms", r.rounds("step_ms")),
+                            ("round_ns_alone_ms", r.round_ns_alone_ms)):
+            record[key] = [None if math.isnan(v) else v for v in values]  # null: a round it sat out
         for what, ratio in comparisons[r.config].items():
             if isinstance(ratio, Ratio):
                 record.update({what: ratio.median, f"{what}_min": ratio.low, f"{what}_max": ratio.high,
