@@ -41,7 +41,7 @@ from dmuon.tensors import finite_flags, local, maybe_nonfinite
 Fingerprint = Sequence[tuple[str, str]]
 Words = tuple[int, int, int]
 
-ENTRIES = ("construction", "add_param_group", "load_state_dict", "step", "shard_by_owner", "QKClip construction",
+ENTRIES = ("construction", "add_param_group", "load_state_dict", "step", "shard_by_owner", "QKClip",
            "register_ddp_comm_hook")
 _WORD_BITS = 21
 # the header's fields, by position

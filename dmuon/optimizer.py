@@ -8,7 +8,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,18 @@ from dmuon.routing import Route, module_roles
 from dmuon.statistics import step_statistics
 from dmuon.step_plan import StepPlan, build_engine, steps_here
 from dmuon.step_values import StepValues
+
+
+class StepCompanion(Protocol):
+    """What follows an optimizer's steps (a :class:`dmuon.QKClip`): its figures join
+    :meth:`Muon.statistics`, its fingerprint the step's agreement (so that the ranks compare it
+    before anything moves), and ``zero_grad()`` tells it that the gradients are gone."""
+
+    def statistics(self) -> dict[str, float]: ...
+
+    def step_fingerprint(self) -> list[tuple[str, str]]: ...
+
+    def discard(self) -> None: ...
 
 
 class Muon(torch.optim.Optimizer):
@@ -168,7 +180,7 @@ class Muon(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._number: int | None = None  # agreed after this
         self._update_squares: dict[int, list] = {}  # id(param group) -> [sum of squares, elements], last step
-        self._statistics_sources: list[Callable[[], dict[str, float]]] = []  # more figures (QK-clip's)
+        self._companions: list[StepCompanion] = []  # what follows the steps (a QKClip)
         self._options = options
         self._early = EarlyStart(options.early_start)
         self._symmetric_by_shape: dict[tuple[int, int], str] = {}  # "auto": measured at construction
@@ -315,8 +327,8 @@ class Muon(torch.optim.Optimizer):
         figures = step_statistics(self._engine.stats, self._update_squares, self.param_groups, self._group_label,
                                   self.skipped_steps, self._agreement_group() if all_ranks else None,
                                   self._collective_device())
-        for source in self._statistics_sources:
-            figures.update(source())
+        for companion in self._companions:
+            figures.update(companion.statistics())
         return figures
 
     # ------------------------------------------------------------------ state
@@ -365,14 +377,14 @@ class Muon(torch.optim.Optimizer):
         """All of the optimizer but its engine, planner, plan and compiled kernels, which are
         rebuilt from the options (a deep copy or an unpickled optimizer can step), and, as
         torch.optim drops them, its step hooks (a :class:`dmuon.QKClip` stays with the original)."""
-        left_out = ("_engine", "_kernels", "_model", "_planner", "_plan", "_statistics_sources",
+        left_out = ("_engine", "_kernels", "_model", "_planner", "_plan", "_companions",
                     "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
         return {k: v for k, v in self.__dict__.items() if k not in left_out}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._model = lambda: None
-        self._statistics_sources = []
+        self._companions = []
         self._make_engine()
         self._order_buckets()
 
@@ -463,6 +475,13 @@ class Muon(torch.optim.Optimizer):
             self._engine.run(plan.strategies, values)
         self._arm_early_start()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; then what follows the steps (a :class:`dmuon.QKClip`) drops
+        what it recorded for the gradients that are gone. Local: not collective."""
+        super().zero_grad(set_to_none)
+        for companion in self._companions:
+            companion.discard()
 
     def _init_state(self, muon: Sequence[param_groups.MuonParam], stepped: set[int]) -> None:
         """The state of each parameter this step updates, created at its first step (as torch's
@@ -563,7 +582,8 @@ class Muon(torch.optim.Optimizer):
         """What a step depends on, as the ranks compare it: the configuration they agreed on
         last, which optimizer this is, the steps it has taken, and the hyperparameters now."""
         return [("configuration digest", repr(self._structure_words)), ("the optimizer's number", repr(self._number)),
-                ("number of steps taken", repr(self._steps_taken)), *self._checked_settings]
+                ("number of steps taken", repr(self._steps_taken)), *self._checked_settings,
+                *(row for companion in self._companions for row in companion.step_fingerprint())]
 
     def _collective_device(self) -> torch.device:
         return collective_device(getattr(self, "param_groups", ()), self._agreement_group())

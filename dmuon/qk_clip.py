@@ -13,8 +13,12 @@ from q and k: one extra q·kᵀ product per layer, in chunks (about half the mat
 attention itself, never the full score matrix at once). :meth:`QKClip.for_model` finds the
 attention modules it knows (Hugging Face Llama-like ``q_proj``/``k_proj`` and GPT-2 ``c_attn``
 modules, and dmuon's own test model) and records for them: for Hugging Face models through
-their public attention-function registry, with no change to the model. Records are taken only
-while autograd is on (a training forward), and their maximum is kept over micro-batches.
+their public attention-function and attention-mask registries (the mask the model's own
+implementation gets, so that eager attention stays causal), with no change to the model's
+outputs. Records are taken only while autograd is on (a training forward), and their maximum is
+kept over micro-batches. They belong to the step whose gradients they came with: a record
+counts once the backward pass reaches its forward pass's queries, and a skipped or failed step,
+:meth:`QKClip.discard` and a dmuon ``Muon``'s ``zero_grad()`` drop what was recorded.
 
 **Exact in every layout.** After the step, one all-reduce (max) over the job turns each rank's
 records into the job's: data-parallel ranks saw other batches, tensor-parallel ranks other
@@ -24,13 +28,15 @@ column-wise tensor parallel), the owner's copy (owner sharding). An element-wise
 the same bits wherever a row lives, so replicas stay identical and a sharded run matches one
 process. A step that the optimizer skipped (a non-finite gradient) clips nothing.
 
-Construction is collective under torch.distributed: the ranks compare their layers and settings
-before any data moves. Bad records (a wrong head count, a non-finite value, an unknown layer)
-raise the same error on every rank at the step, before any weight changes.
+Construction is local; the ranks compare their clips at the step (in a dmuon ``Muon``'s own
+agreement, else in the clip's), before any weight changes. Bad records (a wrong head count, a
+non-finite value, an unknown layer) raise the same error on every rank at the step, before any
+weight changes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
 from collections.abc import Callable, Collection, Mapping
@@ -43,12 +49,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dmuon.agreement import agreed_call
-from dmuon.exchange import all_reduce_max, collective_device, job_group
+from dmuon.agreement import agree
+from dmuon.exchange import GroupRef, all_reduce_max, collective_device, job_group
 from dmuon.layout import owned_by, piece_of
 
 SCORES_PER_CHUNK = 1 << 24  # max_logits holds at most this many fp32 scores at a time (64 MiB)
-HF_ATTENTION = "dmuon_qk_logits"  # the name max-logit recording registers in transformers' registry
+HF_ATTENTION = "dmuon_qk_logits"  # the prefix of the names max-logit recording registers in transformers
 
 
 @dataclass(frozen=True, eq=False)
@@ -239,8 +245,9 @@ def attention_layer_of(module: nn.Module) -> AttentionLayer | None:
 
 
 def _recording_attention(module: nn.Module, query: Tensor, key: Tensor, *args: Any, **kwargs: Any) -> Any:
-    """The attention function registered in transformers under ``HF_ATTENTION``: records the
-    module's max logits, then runs the implementation the model had."""
+    """The attention function registered in transformers under the name of
+    :func:`_registered_name`: records the module's max logits, then runs the implementation the
+    model had."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # only ever called by transformers
 
     recorder = getattr(module, "_dmuon_qk_recorder", None)
@@ -249,29 +256,43 @@ def _recording_attention(module: nn.Module, query: Tensor, key: Tensor, *args: A
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         recorder(max_logits(query, key, kwargs.get("scaling"), causal=causal and query.shape[2] > 1,
-                            attention_mask=mask))
+                            attention_mask=mask), query=query)
     inner = module._dmuon_inner_attention
     function = ALL_ATTENTION_FUNCTIONS[inner] if inner != "eager" else module._dmuon_eager_attention
     return function(module, query, key, *args, **kwargs)
 
 
+def _registered_name(inner: str) -> str:
+    """The name max-logit recording registers in transformers for a model whose attention is
+    ``inner``: one per inner implementation, since the name also picks the attention mask the
+    model builds (eager attention takes its causal mask from its caller: without ``inner``'s
+    mask it would read the future). Hex digits after the prefix: transformers reads some words
+    in a name ("flash", "paged") as requests of its own."""
+    return f"{HF_ATTENTION}_{hashlib.sha256(inner.encode()).hexdigest()[:8]}"
+
+
 def _record_through_transformers(model: nn.Module, modules: dict[str, nn.Module],
-                                 recorder: Callable[[str], Callable[[Tensor], None]]) -> Callable[[], None]:
+                                 recorder: Callable[[str], Callable[..., None]]) -> Callable[[], None]:
     """Route a transformers model's attention through :func:`_recording_attention` (its public
-    ``AttentionInterface.register`` and ``set_attn_implementation``); return what undoes it."""
+    ``AttentionInterface``, ``AttentionMaskInterface`` and ``set_attn_implementation``), with the
+    attention mask of the implementation it had; return what undoes it."""
     import importlib
 
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, AttentionMaskInterface
 
     inner = model.config._attn_implementation
-    AttentionInterface.register(HF_ATTENTION, _recording_attention)
-    for name, module in modules.items():
+    name = _registered_name(inner)
+    AttentionInterface.register(name, _recording_attention)
+    masks = AttentionMaskInterface._global_mapping  # where the model finds ``inner``'s mask function
+    if inner in masks:  # else the model builds no mask for ``inner`` either
+        AttentionMaskInterface.register(name, masks[inner])
+    for module_name, module in modules.items():
         module._dmuon_inner_attention = inner
         # the model file's own eager function: eager is not in the registry
         source = importlib.import_module(type(module).__module__)
         module._dmuon_eager_attention = getattr(source, "eager_attention_forward", None)
-        module._dmuon_qk_recorder = recorder(name)
-    model.set_attn_implementation(HF_ATTENTION)
+        module._dmuon_qk_recorder = recorder(module_name)
+    model.set_attn_implementation(name)
 
     def undo() -> None:
         model.set_attn_implementation(inner)
@@ -283,9 +304,50 @@ def _record_through_transformers(model: nn.Module, modules: dict[str, nn.Module]
 def _recording_taken(model: nn.Module, hooked: dict[str, nn.Module]) -> list[str]:
     """The attention modules whose max logits another QKClip records already."""
     taken = [name for name, m in hooked.items() if m.qk_logits_hook is not None]
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) == HF_ATTENTION:
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if isinstance(implementation, str) and implementation.startswith(HF_ATTENTION):
         taken.append(type(model).__name__)
     return taken
+
+
+def check_against_modules(layers: Mapping[str, AttentionLayer], model: nn.Module) -> None:
+    """Raise a ValueError where a layer's head counts differ from those of the attention module
+    of ``model`` whose weights it names (:func:`attention_layer_of`: the module's own
+    attributes or its Hugging Face config)."""
+    known = {}
+    for module_name, module in model.named_modules():
+        found = attention_layer_of(module)
+        if found is not None:
+            known[id(found.q_weight)] = (module_name.removeprefix("module."), found)
+    for name, layer in layers.items():
+        module_name, found = known.get(id(layer.q_weight), (None, None))
+        if found is None or found.k_weight is not layer.k_weight:
+            continue
+        for key in ("num_heads", "kv_heads", "head_dim", "q_offset", "k_offset", "out_dim"):
+            given, own = getattr(layer, key), getattr(found, key)
+            if given != own:
+                raise ValueError(f"Attention layer {name!r}: {key}={given} but its module {module_name!r} has "
+                                 f"{key}={own} (from its configuration): the clip would scale other rows than "
+                                 "its heads'.")
+
+
+def leftover_rows(layer: AttentionLayer) -> list[str]:
+    """Rows of a layer's weights that no head covers, described (empty where they are all
+    used): a separate q or k weight should be its heads exactly, a fused QKV weight its query,
+    key and value heads."""
+    q_rows, k_rows = layer.num_heads * layer.head_dim, layer.kv_heads * layer.head_dim
+    q_total, k_total = layer.q_weight.shape[layer.out_dim], layer.k_weight.shape[layer.out_dim]
+    if layer.q_weight is layer.k_weight:
+        used = max(layer.q_offset + q_rows, layer.k_offset + k_rows) + k_rows  # the values follow
+        return [f"its fused weight has {q_total} rows, {used} with the values' {k_rows}"] if q_total != used else []
+    found = []
+    if layer.q_offset + q_rows != q_total:
+        found.append(f"its {layer.num_heads} query heads of {layer.head_dim} cover {q_rows} of q_weight's "
+                     f"{q_total} rows")
+    if layer.k_offset + k_rows != k_total:
+        found.append(f"its {layer.kv_heads} key heads of {layer.head_dim} cover {k_rows} of k_weight's "
+                     f"{k_total} rows")
+    return found
 
 
 # ---------------------------------------------------------------- the clip
@@ -297,54 +359,85 @@ _NONFINITE, _BAD_RECORD = 1.0, 2.0  # per-layer problem codes in the all-reduced
 
 class QKClip:
     """QK-clip for the attention layers of a model trained by ``optimizer`` (see the module's
-    docstring). ``layers``: name → :class:`AttentionLayer`, the same on every rank.
+    docstring): after every ``optimizer.step()`` (a step post-hook), one all-reduce of the
+    step's records, then the heads over the threshold scaled. It keeps no state: checkpoints
+    are unchanged.
 
-    ``threshold``: τ, the largest logit a head may keep (Kimi K2 used 100); ``alpha``: the
-    share of the scaling that goes to the queries. Runs after every ``optimizer.step()`` (a
-    step post-hook), with one all-reduce; :meth:`statistics` (and a dmuon ``Muon``'s
-    ``statistics()``) give the last step's figures. It keeps no state: checkpoints are
-    unchanged. Collective under torch.distributed (every rank constructs it).
+    **Records belong to the step whose gradients they came with.** A record taken with its
+    forward pass's ``query`` (as :meth:`for_model`'s are) counts once the backward pass reaches
+    that query, so a forward pass whose backward never ran (an exception, an evaluation with
+    autograd on) adds nothing; a record without one counts at once. The next ``step()`` uses the
+    records, or drops them where it skipped the step (non-finite gradients) or raised;
+    :meth:`discard` drops them; a dmuon ``Muon``'s ``zero_grad()`` drops them too, as the
+    gradients they came with are gone (a batch whose step the loop skipped: a GradScaler's skip,
+    a caught out-of-memory error). With another optimizer, call :meth:`discard` where the loop
+    skips a step.
+
+    **Under torch.distributed** construction is local. With a dmuon ``Muon`` the ranks compare
+    their clips (settings and layers) in the agreement that begins each step, before any weight
+    changes, and raise the same error if they differ or a rank has none; with another optimizer
+    the clip compares them itself before its all-reduce.
+
+    Args:
+        optimizer: the optimizer whose steps the clip follows; every tensor the layers name
+            must be one of its parameters.
+        layers: name → :class:`AttentionLayer`, the same on every rank.
+        threshold: τ, the largest logit a head may keep (Kimi K2 used 100).
+        alpha: the share of the scaling that goes to the queries (the rest to the keys).
+        process_group: the ranks whose records are combined (default: a dmuon ``Muon``'s group,
+            else the world).
+        model: the model, to check each layer's head counts against its attention module's
+            configuration (default: the model a dmuon ``Muon`` was built from).
+
+    Raises:
+        ValueError: a threshold or alpha out of range, a layer that does not describe
+            parameters of the optimizer, or head counts other than its module's.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, layers: Mapping[str, AttentionLayer], *,
                  threshold: float = 100.0, alpha: float = 0.5, process_group: dist.ProcessGroup | None = None,
-                 _check_model: Callable[[], None] = lambda: None) -> None:
+                 model: nn.Module | None = None) -> None:
         self.optimizer, self.threshold, self.alpha = optimizer, threshold, alpha
         self.layers = dict(layers)
-        self._process_group = job_group(process_group)
+        # a dmuon Muon agrees on this clip in its step's agreement, over its own ranks
+        self._companions = getattr(optimizer, "_companions", None)
+        if process_group is None and self._companions is not None:
+            process_group = optimizer._agreement_group()
+        self._process_group = GroupRef(job_group(process_group))
+        self._check(model if model is not None else getattr(optimizer, "_model", lambda: None)())
         self._slots: dict[str, slice] = {}
-        self._records: Tensor | None = None
-        self._problems: dict[str, str] = {}
-        self._unknown: list[str] = []
-        self._last: dict[str, float] = {}
-        self._warned: set[str] = set()
-        self._undo: list[Callable[[], None]] = []  # for_model's recording, removed by remove()
-
-        def build() -> list[tuple[str, str]]:
-            self._check()
-            _check_model()
-            return self._fingerprint()
-
-        agreed_call("QKClip construction", build, self._process_group, self._device, what="QK-clip configuration")
         start = 0
         for name, layer in self.layers.items():
             self._slots[name] = slice(start, start + layer.num_heads)
             start += layer.num_heads
         self._heads = start  # query heads of all layers: the records' length
+        self._description = [(f"QKClip {key}", value) for key, value in self._fingerprint()]
+        self._records: Tensor | None = None  # committed to the step
+        self._problems: dict[str, str] = {}
+        self._unknown: list[str] = []
+        self._taken: tuple | None = None  # what the step in progress took
+        self._last: dict[str, float] = {}
+        self._warned: set[str] = set()
+        self._undo: list[Callable[[], None]] = []  # for_model's recording, removed by remove()
         self._skipped_before = 0
         self._handles = [optimizer.register_step_pre_hook(self._before_step),
                          optimizer.register_step_post_hook(self._after_step)]
-        sources = getattr(optimizer, "_statistics_sources", None)
-        if sources is not None:
-            sources.append(self.statistics)
+        if self._companions is not None:
+            self._companions.append(self)
 
     @classmethod
     def for_model(cls, optimizer: torch.optim.Optimizer, model: nn.Module, *, threshold: float = 100.0,
                   alpha: float = 0.5, process_group: dist.ProcessGroup | None = None) -> QKClip:
         """A QKClip for every attention module of ``model`` that :func:`attention_layer_of`
         recognises, named by module path, recording their max logits itself (a Hugging Face
-        model through its attention registry, dmuon's own model through its hook).
-        ``model`` may be wrapped (DDP, FSDP2, owner sharding). Raises if it finds none."""
+        model through its attention registry, with the attention mask its implementation
+        builds; dmuon's own model through its hook). ``model`` may be wrapped (DDP, FSDP2,
+        owner sharding).
+
+        Raises:
+            ValueError: no attention module is recognised, their logits cannot be recorded,
+                or another QKClip records them already.
+        """
         modules = {name.removeprefix("module."): m for name, m in model.named_modules()
                    if attention_layer_of(m) is not None}
         if not modules:
@@ -354,19 +447,16 @@ class QKClip:
         hooked = {name: m for name, m in modules.items() if hasattr(m, "qk_logits_hook")}
         others = {name: m for name, m in modules.items() if name not in hooked}
         inner = getattr(model, "module", model)  # under DDP
-
-        def can_record() -> None:  # checked with the layers, before the ranks compare them
-            if others and getattr(getattr(inner, "config", None), "_attn_implementation", None) is None:
-                raise ValueError(f"QKClip cannot record the logits of {sorted(others)} by itself: build "
-                                 "QKClip(optimizer, layers) and call clip.record(name, max_logits(q, k)) from their "
-                                 "attention.")
-            taken = _recording_taken(inner, hooked)
-            if taken:
-                raise ValueError(f"Another QKClip records the max logits of {taken[0]!r} already: remove() it first "
-                                 "(one QKClip per model).")
-
+        if others and getattr(getattr(inner, "config", None), "_attn_implementation", None) is None:
+            raise ValueError(f"QKClip cannot record the logits of {sorted(others)} by itself: build "
+                             "QKClip(optimizer, layers) and call clip.record(name, max_logits(q, k), query=q) from "
+                             "their attention.")
+        taken = _recording_taken(inner, hooked)
+        if taken:
+            raise ValueError(f"Another QKClip records the max logits of {taken[0]!r} already: remove() it first "
+                             "(one QKClip per model).")
         clip = cls(optimizer, {name: attention_layer_of(m) for name, m in modules.items()}, threshold=threshold,
-                   alpha=alpha, process_group=process_group, _check_model=can_record)
+                   alpha=alpha, process_group=process_group, model=model)
         for name, module in hooked.items():
             module.qk_logits_hook = clip._logits_recorder(name)
             clip._undo.append(partial(setattr, module, "qk_logits_hook", None))
@@ -377,9 +467,9 @@ class QKClip:
     # ------------------------------------------------------------ construction
 
     def _device(self) -> torch.device:
-        return collective_device(self.optimizer.param_groups, self._process_group)
+        return collective_device(self.optimizer.param_groups, self._process_group())
 
-    def _check(self) -> None:
+    def _check(self, model: nn.Module | None) -> None:
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not (
                 math.isfinite(self.threshold) and self.threshold > 0):
             raise ValueError(f"Invalid threshold={self.threshold!r}. Must be a finite number > 0.")
@@ -392,6 +482,12 @@ class QKClip:
             if not isinstance(layer, AttentionLayer):
                 raise ValueError(f"Attention layer {name!r} is a {type(layer).__name__}, not an AttentionLayer.")
             check_layer(name, layer, positions.keys())
+        if model is not None:
+            check_against_modules(self.layers, model)
+        for name, layer in self.layers.items():
+            for left in leftover_rows(layer):
+                warnings.warn(f"QKClip: attention layer {name!r}: {left}; the other rows are not clipped. Check "
+                              "num_heads, num_kv_heads and head_dim if they should be.", stacklevel=3)
         self._positions = {name: tuple(positions[id(t)] for _, t, _, _ in layer.targets())
                            for name, layer in self.layers.items()}
 
@@ -404,6 +500,10 @@ class QKClip:
                                                             self._positions[name]))))
         return rows
 
+    def step_fingerprint(self) -> list[tuple[str, str]]:
+        """What a dmuon ``Muon``'s step agreement compares of this clip: its settings and layers."""
+        return self._description
+
     def remove(self) -> None:
         """Stop clipping: remove the step hooks and the recording :meth:`for_model` installed."""
         for handle in self._handles:
@@ -411,70 +511,115 @@ class QKClip:
         for undo in self._undo:
             undo()
         self._undo = []
-        sources = getattr(self.optimizer, "_statistics_sources", [])
-        if self.statistics in sources:
-            sources.remove(self.statistics)
+        if self._companions is not None and self in self._companions:
+            self._companions.remove(self)
 
     # ------------------------------------------------------------ recording
 
-    def record(self, name: str, values: Tensor, heads: slice | None = None) -> None:
-        """Record layer ``name``'s per-head max logits for this step (any device; kept: the
-        maximum over calls until the step). ``heads``: which query heads ``values`` covers
-        (tensor parallel: this rank's); default all. A wrong name or shape is reported at the
-        step, on every rank, before any weight changes."""
+    def record(self, name: str, values: Tensor, heads: slice | None = None, *, query: Tensor | None = None) -> None:
+        """Record layer ``name``'s per-head max logits (any device; kept: the maximum over calls
+        until the step).
+
+        Args:
+            name: the layer's name in ``layers``.
+            values: one max logit per head of ``heads`` (:func:`max_logits`).
+            heads: which query heads ``values`` covers (tensor parallel: this rank's); default all.
+            query: the forward pass's query tensor: the record counts once the backward pass
+                reaches it (its gradient is computed). Without it the record counts at once,
+                so a ``zero_grad()`` between this forward pass and its backward drops it.
+
+        A wrong name, ``heads`` or shape is reported at the step, on every rank, before any
+        weight changes."""
         slot = self._slots.get(name)
         if slot is None:
             self._unknown.append(repr(name))
             return
-        heads = heads if heads is not None else slice(0, slot.stop - slot.start)
-        start, stop, step = heads.indices(slot.stop - slot.start)
+        count = slot.stop - slot.start
+        if heads is not None and not isinstance(heads, slice):
+            self._problems[name] = f"heads={heads!r} is not a slice of its {count} heads"
+            return
+        start, stop, step = (heads or slice(0, count)).indices(count)
         values = values.detach().reshape(-1) if isinstance(values, Tensor) else values
         if step != 1 or not isinstance(values, Tensor) or values.numel() != stop - start:
             got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
-            self._problems[name] = (f"recorded {got} for heads [{start}, {stop}) of its "
-                                    f"{slot.stop - slot.start} heads (one value per head)")
+            self._problems[name] = (f"recorded {got} for heads [{start}, {stop}) of its {count} heads (one value "
+                                    "per head)")
             return
+        rows = slice(slot.start + start, slot.start + stop)
+        if query is not None and query.requires_grad and torch.is_grad_enabled():
+            query.register_hook(partial(self._commit_at_backward, rows, values))
+        else:
+            self._commit(rows, values)
+
+    def _commit(self, rows: slice, values: Tensor) -> None:
         if self._records is None:
             self._records = torch.full((self._heads,), NOT_RECORDED, dtype=torch.float32, device=values.device)
-        part = self._records[slot.start + start:slot.start + stop]
+        part = self._records[rows]
         torch.maximum(part, values.to(part.device, torch.float32), out=part)
 
+    def _commit_at_backward(self, rows: slice, values: Tensor, grad: Tensor) -> None:
+        self._commit(rows, values)
+
     def _logits_recorder(self, name: str) -> Callable[..., None]:
-        """What a watched module calls with its max logits (Hugging Face) or with q and k (dmuon's model)."""
-        def recorder(q_or_maxima: Tensor, k: Tensor | None = None) -> None:
+        """What a watched module calls with q and k (dmuon's model) or with its max logits and
+        its query (Hugging Face)."""
+        def recorder(q_or_maxima: Tensor, k: Tensor | None = None, *, query: Tensor | None = None) -> None:
             if not torch.is_grad_enabled():
                 return  # evaluation: not the step's logits
-            self.record(name, q_or_maxima if k is None else max_logits(q_or_maxima, k))
+            if k is not None:
+                self.record(name, max_logits(q_or_maxima, k), query=q_or_maxima)
+            else:
+                self.record(name, q_or_maxima, query=query)
         return recorder
+
+    def discard(self) -> None:
+        """Drop the records taken for the coming step (a dmuon ``Muon``'s ``zero_grad()`` calls
+        it; with another optimizer call it where the loop skips a step). Local: not collective."""
+        self._take()
+
+    def _take(self) -> tuple[Tensor | None, dict[str, str], list[str]]:
+        taken = self._records, self._problems, self._unknown
+        self._records, self._problems, self._unknown = None, {}, []
+        return taken
 
     # ------------------------------------------------------------ after the step
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._skipped_before = getattr(optimizer, "skipped_steps", 0)
+        self._taken = self._take()  # a step that raises takes them with it
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         skipped = getattr(optimizer, "skipped_steps", 0) != self._skipped_before
-        self.clip(apply=not skipped)
+        taken, self._taken = self._taken or (None, {}, []), None
+        self._clip(*taken, apply=not skipped, agreed=self._companions is not None)
 
     def clip(self, apply: bool = True) -> None:
-        """Agree on the step's records (one all-reduce max) and scale the heads over τ (unless
-        ``apply`` is False); then forget the records. Runs after every step by itself."""
-        total = self._heads
-        records = self._records if self._records is not None else torch.full((total,), NOT_RECORDED)
+        """Agree on the records taken so far (one all-reduce max) and scale the heads over τ
+        (unless ``apply`` is False); then forget the records. Runs after every step by itself;
+        collective under torch.distributed."""
+        self._clip(*self._take(), apply=apply, agreed=False)
+
+    def _clip(self, records: Tensor | None, problems: dict[str, str], unknown: list[str], apply: bool,
+              agreed: bool) -> None:
+        """``agreed``: the ranks compared their clips already (in a dmuon ``Muon``'s step)."""
+        total, group = self._heads, self._process_group()
+        if group is not None and not agreed:
+            agree("QKClip", self._description, group, self._device(), what="QK-clip configuration")
+        records = records if records is not None else torch.full((total,), NOT_RECORDED)
         records = records.to(self._device())
         codes = torch.zeros(len(self._slots) + 1, dtype=torch.float32, device=records.device)
         for i, (name, slot) in enumerate(self._slots.items()):
             part = records[slot]
-            if name in self._problems:
+            if name in problems:
                 codes[i] = _BAD_RECORD
             elif bool((part.isnan() | (part == math.inf)).any()):
                 codes[i] = _NONFINITE
-        codes[-1] = float(bool(self._unknown))
+        codes[-1] = float(bool(unknown))
         records = torch.where(records.isnan() | (records == math.inf), NOT_RECORDED, records)
         values = torch.cat([records, codes])
-        all_reduce_max(values, self._process_group)
+        if group is not None:
+            all_reduce_max(values, group)
         values = values.cpu()
-        problems, self._problems, unknown, self._unknown, self._records = self._problems, {}, self._unknown, [], None
         self._raise_for(values[total:], problems, unknown)
         self._last = {}
         heads_clipped, best = 0, NOT_RECORDED
@@ -484,7 +629,8 @@ class QKClip:
                 if name not in self._warned:
                     self._warned.add(name)
                     warnings.warn(f"QKClip: no rank recorded max logits for attention layer {name!r} this step, so it "
-                                  "was not clipped (record them every step; this warning is shown once per layer).",
+                                  "was not clipped (record them every step; a record taken without query= before "
+                                  "zero_grad() is dropped by it; this warning is shown once per layer).",
                                   stacklevel=2)
                 continue
             self._last[f"qk_clip/max_logit/{name}"] = maxima.max().item()

@@ -6,6 +6,8 @@ rank before any weight changes."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -173,14 +175,30 @@ def test_a_bad_record_on_one_rank_is_raised_on_every_rank_before_the_clip_change
     assert all(r["unscaled"] for r in results)  # the optimizer stepped; the clip scaled nothing
 
 
-def ranks_that_describe_other_layers() -> str | None:
+def ranks_with_other_clips(case: str) -> dict:
+    """A QKClip built on one rank only (``"one rank"``) or with other layers on rank 1: its
+    construction is local, and the step refuses on every rank before any weight changes."""
     params, opt = plain_params_and_optimizer()
     layers = layers_of(params, 2, fused=True)
-    if dist.get_rank() == 1:
-        layers["sep"] = AttentionLayer(params[0], params[1], 2, HEAD_DIM, 1)
-    return error_of(QKClip, opt, layers)
+    if case == "other layers" and dist.get_rank() == 1:
+        layers["sep"] = AttentionLayer(params[0], params[1], 4, HEAD_DIM, 1, k_bias=params[5])
+    if case == "other layers" or dist.get_rank() == 0:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # rank 1's k_weight has rows no head covers
+            QKClip(opt, layers, threshold=TAU)
+    before = [p.detach().clone() for p in params]
+    for p, g in zip(params, full_tensors(shapes(2), seed=1)):
+        p.grad = g
+    return dict(error=error_of(opt.step), unchanged=all(torch.equal(a, p) for a, p in zip(before, params)))
 
 
-def test_ranks_that_describe_other_layers_are_refused_on_every_rank():
-    errors = run_on_ranks(2, ranks_that_describe_other_layers)
-    assert_same_error(errors, r"ValueError: .*QK-clip configuration.*attention layer 'sep'")
+@pytest.mark.parametrize("case,pattern", [
+    ("other layers", r"ValueError: Ranks disagree on the optimizer configuration: QKClip attention layer 'sep' is "
+                     r"\(4, 2, 3.* on rank 0 but \(4, 1, 3.* on rank 1"),
+    ("one rank", r"ValueError: Ranks disagree on the optimizer configuration: QKClip threshold is 1.0 on rank 0 but "
+                 r"missing on rank 1"),
+])
+def test_ranks_with_other_clips_are_refused_at_the_step_on_every_rank(case, pattern):
+    results = run_on_ranks(2, ranks_with_other_clips, case)
+    assert_same_error([r["error"] for r in results], pattern)
+    assert all(r["unchanged"] for r in results)

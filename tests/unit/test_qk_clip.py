@@ -110,7 +110,8 @@ def logits_now(model, inputs, layer: str = "") -> float:
     that never clips)."""
     probe = QKClip.for_model(torch.optim.SGD(model.parameters(), lr=0.0), model, threshold=1e30)
     with torch.enable_grad():
-        model(inputs)
+        model(inputs).sum().backward()  # records count once the backward pass reaches them
+    model.zero_grad()
     probe.clip(apply=False)
     probe.remove()
     return probe.statistics()[f"qk_clip/max_logit/{layer}" if layer else "qk_clip/max_logit"]
@@ -319,3 +320,155 @@ def test_a_model_without_known_attention_is_told_to_record_itself():
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="No attention module that QKClip recognises in Sequential"):
         QKClip.for_model(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_recording_keeps_a_hugging_face_model_causal_and_its_outputs_unchanged(implementation):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=32, attn_implementation=implementation))
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 64
+    without = llama(tokens).logits.detach()
+    clip = QKClip.for_model(dmuon.Muon(llama, lr=0.0), llama, threshold=1e30)
+    with torch.enable_grad():  # recording
+        logits, logits_changed = llama(tokens).logits.detach(), llama(changed).logits.detach()
+    assert torch.equal(logits, without)  # the model's outputs are what they were
+    assert torch.equal(logits[:, :-1], logits_changed[:, :-1])  # a later token moves no earlier position
+    clip.remove()
+    assert llama.config._attn_implementation == implementation
+
+
+def clipped_run(events: list[tuple[str, int]], optimizer: str = "dmuon") -> dict:
+    """The tiny Llama with logits over τ, one QKClip, and a loop of ``events``: ("step", seed)
+    a normal batch; ("skip", seed) a batch whose step the loop skips (GradScaler-style), then
+    zero_grad(); ("fail backward", seed) and ("fail forward", seed) an exception in the backward
+    pass (after the last layer's) or in the forward pass (after the first layer), caught, then
+    zero_grad(); ("step raises", seed) a step that raises; ("zero_grad late", seed) a batch whose
+    zero_grad() comes between its forward and backward passes. lr 0: only the clip moves weights."""
+    model, _, _ = llama_and_batch()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.q_proj.weight.mul_(30)
+            layer.attn.k_proj.weight.mul_(30)
+    if optimizer == "dmuon":
+        opt = dmuon.Muon(model, lr=0.0, weight_decay=0.0, nonfinite_grads="raise")
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    clip = QKClip.for_model(opt, model, threshold=THRESHOLD)
+    failing = []
+
+    def fail_in_backward(grad):
+        raise RuntimeError("out of memory (a test's)")
+
+    def after_first_layer(module, args, output):
+        if failing == ["forward"]:
+            raise RuntimeError("out of memory (a test's)")
+        if failing == ["backward"]:
+            output.register_hook(fail_in_backward)
+        return output
+
+    model.layers[0].register_forward_hook(after_first_layer)
+    data = SyntheticTokens(model.config.vocab_size, seed=0)
+    for kind, seed in events:
+        x, y = data.batch(seed, 4, 32)
+        failing[:] = [kind.removeprefix("fail ")] if kind.startswith("fail") else []
+        try:
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            if kind == "zero_grad late":
+                opt.zero_grad()
+            loss.backward()
+        except RuntimeError as error:
+            assert "a test's" in str(error)
+            opt.zero_grad()
+            if optimizer != "dmuon":
+                clip.discard()
+            continue
+        if kind == "skip":
+            opt.zero_grad()
+            if optimizer != "dmuon":
+                clip.discard()
+            continue
+        if kind == "step raises":
+            model.lm_head.weight.grad[0, 0] = math.nan
+            with pytest.raises(FloatingPointError):
+                opt.step()
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+    return dict(params={n: p.detach().clone() for n, p in model.named_parameters()},
+                statistics=clip.statistics())
+
+
+@pytest.mark.parametrize("before,optimizer", [
+    ("skip", "dmuon"), ("fail backward", "dmuon"), ("fail forward", "dmuon"), ("step raises", "dmuon"),
+    ("skip", "sgd"), ("fail backward", "sgd"), ("fail forward", "sgd"),  # discard() by hand
+])
+def test_records_of_a_skipped_or_failed_batch_are_never_applied(before, optimizer):
+    alone = clipped_run([("step", 2)], optimizer)
+    after = clipped_run([(before, 1), ("step", 2)], optimizer)
+    assert alone["statistics"]["qk_clip/heads_clipped"] > 0
+    assert after["statistics"] == alone["statistics"]
+    for name, value in alone["params"].items():
+        assert torch.equal(after["params"][name], value), name
+    # the batch left out has logits of its own: applied, its records would have changed the result
+    both = clipped_run([("step", 1), ("step", 2)], optimizer)
+    assert any(not torch.equal(both["params"][n], v) for n, v in alone["params"].items())
+
+
+def test_a_zero_grad_between_forward_and_backward_keeps_the_batch_records():
+    late = clipped_run([("zero_grad late", 2)])
+    usual = clipped_run([("step", 2)])
+    assert late["statistics"] == usual["statistics"] and late["statistics"]["qk_clip/heads_clipped"] > 0
+    assert all(torch.equal(late["params"][n], v) for n, v in usual["params"].items())
+
+
+def test_discard_drops_the_records_and_a_record_without_query_counts_at_once():
+    model, layers = attention_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    clip = QKClip(opt, layers, threshold=4.0)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    before = [p.detach().clone() for p in model.parameters()]
+    clip.record("sep", torch.full((4,), 100.0))
+    clip.discard()
+    clip.record("sep", torch.full((4,), 2.0))
+    opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert clip.statistics()["qk_clip/max_logit"] == 2.0
+    query = torch.ones(3, requires_grad=True)
+    clip.record("sep", torch.full((4,), 100.0), query=query * 2)  # its backward never runs
+    with pytest.warns(UserWarning, match="no rank recorded max logits for attention layer 'sep'"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_head_counts_other_than_the_modules_are_refused_and_uncovered_rows_warned():
+    model, _, _ = llama_and_batch()  # 4 query heads, 2 key heads of 8
+    attn = model.layers[0].attn
+    opt = dmuon.Muon(model, lr=0.0)
+    for bad, pattern in [(dict(num_kv_heads=1), r"kv_heads=1 but its module 'layers.0.attn' has kv_heads=2"),
+                         (dict(num_heads=2), r"num_heads=2 but its module 'layers.0.attn' has num_heads=4")]:
+        fields = {**dict(q_weight=attn.q_proj.weight, k_weight=attn.k_proj.weight, num_heads=4, head_dim=8,
+                         num_kv_heads=2), **bad}
+        with pytest.raises(ValueError, match=pattern):
+            QKClip(opt, {"attention": AttentionLayer(**fields)})
+    plain, layers = attention_model()
+    short = {"sep": AttentionLayer(plain.q.weight, plain.k.weight, num_heads=4, head_dim=3, num_kv_heads=1)}
+    with pytest.warns(UserWarning, match=r"its 1 key heads of 3 cover 3 of k_weight's 6 rows"):
+        QKClip(torch.optim.SGD(plain.parameters(), lr=0.0), short)
+
+
+def test_heads_that_are_not_a_slice_are_reported_at_the_step():
+    model, layers = attention_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    clip = QKClip(opt, layers, threshold=4.0)
+    clip.record("sep", torch.ones(4), heads=3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(ValueError, match=r"layer 'sep': heads=3 is not a slice of its 4 heads"):
+        opt.step()
