@@ -220,10 +220,14 @@ class _Run:
         self.started = False
         self.next: Bucket | None = self.order[0] if self.order else None  # the bucket the run waits for
         self.repeated = False  # a gradient was final twice (a second backward pass)
+        # the backward pass it read raised (owner sharding says so): unused, and early start stays on
+        self.abandoned = False
         self.reducing: Reducing | None = None  # DDP's bucket whose all-reduce was started last
 
     def ready(self, p: Tensor) -> None:
         """``p``'s gradient is final: start every bucket whose gradients all are, in order."""
+        if self.abandoned:
+            return
         if id(p) in self.seen:
             self.repeated = True
             return
@@ -288,6 +292,8 @@ class _Run:
         version as it was: GradScaler's unscaling, foreach ops on DTensors) or (DDP without
         ``gradient_as_bucket_view``, which copies its reduced bucket into ``param.grad`` at the
         end of the backward pass) has the bits of the tensor read."""
+        if self.abandoned:
+            return NOT_USED
         if self.repeated:
             return CHANGED
         code = USED
@@ -461,8 +467,14 @@ def _ready_weakly(early: weakref.ref, p: Tensor) -> None:
         alive._ready(p)
 
 
-def _final_weakly(early: weakref.ref, params: Sequence[Tensor]) -> None:
-    """An owner sharding's listener: each parameter as its hook would (:func:`_ready_weakly`)."""
+def _final_weakly(early: weakref.ref, params: Sequence[Tensor] | None) -> None:
+    """An owner sharding's listener: each parameter as its hook would (:func:`_ready_weakly`);
+    None: the backward pass that gave the earlier ones raised."""
+    if params is None:
+        alive = early()
+        if alive is not None and alive._run is not None:
+            alive._run.abandoned = True
+        return
     for p in params:
         _ready_weakly(early, p)
 

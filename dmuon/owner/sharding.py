@@ -82,10 +82,12 @@ class OwnerSharding:
         self._rest_reduces: list[tuple[nn.Parameter, dist.Work]] = []
         self._layers_done = 0  # layers whose gradients all arrived, this backward
         self._rest_ready: set[int] = set()
+        # a backward pass sent gradients and has not reached its end: if it is not running, it raised
+        self._backward_open = False
         # told which of this rank's parameters have their final (averaged) gradient, layer by
         # layer during the backward pass (early start's; notify_final_gradients); an OrderedDict,
         # as RemovableHandle holds it weakly, which a dict cannot be
-        self._final_listeners: OrderedDict[int, Callable[[Sequence[nn.Parameter]], None]] = OrderedDict()
+        self._final_listeners: OrderedDict[int, Callable[[Sequence[nn.Parameter] | None], None]] = OrderedDict()
         self.rest_counter = CommCounter()
         self.last_step_bytes = 0
         self.rest_bytes = 0
@@ -137,6 +139,7 @@ class OwnerSharding:
         return self._layers[self._order[at]] if 0 <= at < len(self._order) else None
 
     def _before_forward(self, index: int) -> None:
+        self._drop_a_failed_backward()
         if index not in self._order:
             self._order.append(index)
         self._materialize(self._layers[index])
@@ -176,20 +179,60 @@ class OwnerSharding:
             param.grad = None
         return grad
 
+    def _backward_reached(self) -> None:
+        """A gradient arrived: this backward pass is open until autograd reaches its end (a
+        callback autograd runs only when the pass completes, as FSDP2's and DDP's)."""
+        self.state = TrainingState.BACKWARD
+        if not self._backward_open:
+            self._backward_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_completed)
+
+    def _backward_completed(self) -> None:
+        self._backward_open = False
+
+    def _drop_a_failed_backward(self) -> None:
+        """Where a backward pass raised (an out-of-memory error, a failing hook: caught, on every
+        rank, at the same point), what it reduced is not a gradient of anything the step will
+        see: wait for the reduces it started (every rank started them), keep none of their
+        sums, and forget its bookkeeping, together with the averages of earlier backward passes
+        set aside for it (a failed backward pass is followed by ``zero_grad()``). Runs before
+        the next forward pass and at the step; not while a backward pass runs (activation
+        checkpointing recomputes layers inside one)."""
+        if not self._backward_open or torch._C._current_graph_task_id() != -1:
+            return
+        self._backward_open = False
+        for reduce in self._reduces:
+            if reduce.work is not None:
+                reduce.work.wait()
+        for _, work in self._rest_reduces:
+            work.wait()
+        self._reduces, self._rest_reduces = [], []
+        for layer in self._layers:
+            layer.ready.clear()
+            layer.release()
+        self._layers_done, self._rest_ready = 0, set()
+        self._set_aside.clear()
+        self.state = TrainingState.IDLE
+        self.counter.reset()
+        self.rest_counter.reset()
+        for listener in list(self._final_listeners.values()):
+            listener(None)
+
     def _gradient_ready(self, index: int, param: nn.Parameter) -> None:
         layer = self._layers[index]
-        self.state = TrainingState.BACKWARD
+        self._backward_reached()
         layer.ready.add(id(param))
         if len(layer.ready) == len(layer.params):
             self._layer_backward_done(layer)
             self._maybe_finish()
 
-    def notify_final_gradients(self, listener: Callable[[Sequence[nn.Parameter]], None]) -> RemovableHandle:
+    def notify_final_gradients(self, listener: Callable[[Sequence[nn.Parameter] | None], None]) -> RemovableHandle:
         """Tell ``listener`` which of this rank's parameters have their final (averaged) gradient
-        in ``param.grad``, as they get it. While one listens (and not across replicas), a layer's
-        reduce is waited for when the next layer's starts, in the backward pass, instead of all at
-        its end, so that the owner can start on it (:mod:`dmuon.early_start`). Returns the handle
-        that stops it."""
+        in ``param.grad``, as they get it, and (with None) that the backward pass they came from
+        raised, so that none of them is final. While one listens (and not across replicas), a
+        layer's reduce is waited for when the next layer's starts, in the backward pass, instead
+        of all at its end, so that the owner can start on it (:mod:`dmuon.early_start`). Returns
+        the handle that stops it."""
         handle = RemovableHandle(self._final_listeners)
         self._final_listeners[handle.id] = listener
         return handle
@@ -210,7 +253,7 @@ class OwnerSharding:
         if self._reduce_gradients and self.groups.everyone is not None:
             work = start_all_reduce_sum(param.grad, self.groups.everyone, self.rest_counter)
             self._rest_reduces.append((param, work))
-        self.state = TrainingState.BACKWARD
+        self._backward_reached()
         self._rest_ready.add(id(param))
         self._maybe_finish()
 
@@ -228,6 +271,7 @@ class OwnerSharding:
         Raises a ValueError naming a parameter that has a gradient although it was frozen when
         the sharding was made (with ``replicate_rest``): nothing averages its gradient."""
         self._check_no_stray_gradients()
+        self._drop_a_failed_backward()
         if self.state is TrainingState.IDLE:
             self._restore_set_aside()
             return
@@ -243,6 +287,7 @@ class OwnerSharding:
             p.grad.div_(everyone)
         self._reduces, self._rest_reduces = [], []
         self._layers_done, self._rest_ready = 0, set()
+        self._backward_open = False
         for layer in self._layers:
             if layer.state is LayerState.PREFETCHING:  # prefetched by a recomputation in backward: not needed now
                 layer.release()

@@ -7,6 +7,7 @@ ranks that own nothing, and the errors. Checkpoints across world sizes: tests/di
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -360,3 +361,63 @@ def test_activation_checkpointing(reference, z3):
     broadcast may leak into the next step."""
     for r in run_on_ranks(2, train_checkpointed, z3):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-6)
+
+
+def train_through_a_failed_backward(batches: list[int], fail_at: int | None, reshard_after_forward: bool,
+                                    early_start: bool, dtype: torch.dtype) -> dict:
+    """The 4-layer MLP owner-sharded (each Linear a layer), a step per entry of ``batches``
+    (each rank its own share of batch b). Before the step at position ``fail_at`` a batch's
+    backward pass raises on every rank after the two last layers' gradients went to their
+    owners (an out-of-memory error, say), is caught, and the loop zeroes the gradients and
+    carries on with the batch of that position."""
+    from tests.helpers import SMALL_BUCKET_BYTES, tiny_mlp
+
+    model = tiny_mlp(dtype=dtype)
+    dmuon.shard_by_owner(model, layers=list(model), reshard_after_forward=reshard_after_forward)
+    opt = dmuon.Muon(model, lr=0.02, early_start=early_start, bucket_bytes=SMALL_BUCKET_BYTES)
+    failing = []
+
+    def fail(grad):
+        raise RuntimeError("out of memory (a test's)")
+
+    def fail_later(module, args, out):
+        if failing:
+            out.register_hook(fail)
+
+    model[1].register_forward_hook(fail_later)
+
+    def forward_backward(batch: int) -> None:
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * batch + dist.get_rank())).to(dtype)
+        model(x).float().square().mean().backward()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for position, batch in enumerate(batches):
+            if position == fail_at:
+                failing.append(True)
+                with pytest.raises(RuntimeError, match="a test's"):
+                    forward_backward(1000 + batch)
+                failing.clear()
+                opt.zero_grad()
+            forward_backward(batch)
+            opt.step()
+            opt.zero_grad()
+    return dict(params=whole_params(model), early_start=opt.early_start,
+                warnings=[str(w.message) for w in caught if "early start" in str(w.message)])
+
+
+@pytest.mark.parametrize("world,z3,early_start,dtype", [
+    (2, False, False, torch.float32), (2, True, True, torch.float32), (3, False, True, torch.float32),
+    (3, True, False, torch.float32), (3, True, True, torch.bfloat16),
+])
+def test_a_caught_exception_in_the_backward_pass_leaves_nothing_behind(world, z3, early_start, dtype):
+    """The failed backward's reduces are dropped: the run equals one where it never happened,
+    bitwise (the control is the same job without the exception), and early start stays on."""
+    args = (z3, early_start, dtype)
+    failed = run_on_ranks(world, train_through_a_failed_backward, [0, 1, 2], 1, *args)
+    control = run_on_ranks(world, train_through_a_failed_backward, [0, 1, 2], None, *args)
+    for r, c in zip(failed, control):
+        assert r["warnings"] == [] and r["early_start"] == c["early_start"]
+        assert r["early_start"].startswith("on") == early_start
+        for name, value in c["params"].items():
+            assert torch.equal(r["params"][name], value), name
