@@ -84,7 +84,7 @@ from dmuon.step_plan import StepPlan
 from dmuon.step_values import StepValues
 from dmuon.strategies.base import Context
 from dmuon.strategies.planned import PlannedExchange
-from dmuon.tensors import digest, local, same_bits
+from dmuon.tensors import digest, local, same_bits_each
 
 # what each rank's run can be used for at step() (the ranks agree on the highest)
 USED, NOT_USED, CHANGED = 0, 1, 2
@@ -164,8 +164,9 @@ class EarlyValues(StepValues):
             moved = torch._foreach_lerp(bufs, grads, 1 - group["momentum"])  # the step's lerp_, out of place
             for p, final, g, b, m in zip(params, finals, grads, bufs, moved):
                 self.grads_and_buffers[id(p)] = (g, m)
-                self.read[id(p)] = Read(final, g._version, digest(g), buffer_mark(b, group)) if final is not None \
-                    else Read(None, None, None, buffer_mark(b, group))
+                mark, buffer_digest = buffer_mark(b, group), digest(b)
+                self.read[id(p)] = Read(final, g._version, digest(g), mark, buffer_digest) if final is not None \
+                    else Read(None, None, None, mark, buffer_digest)
         try:
             return super().inputs(indices)
         finally:
@@ -186,6 +187,7 @@ class Read(NamedTuple):
     grad_version: int | None  # its version then
     grad_digest: Tensor | None  # its :func:`~dmuon.tensors.digest` then
     buffer: tuple  # the momentum buffer (object and version) and the momentum options
+    buffer_digest: Tensor  # its :func:`~dmuon.tensors.digest` then (writes through .data leave the version)
 
 
 def buffer_mark(buf: Tensor, group: dict[str, Any]) -> tuple:
@@ -284,8 +286,9 @@ class _Run:
     def code(self, state: dict) -> int:
         """Whether this rank can apply the held updates (:attr:`dmuon.agreement.Agreed.early`),
         once finished: 0 when the gradients and buffers it read are there now, unchanged, with the
-        same momentum options; 1 when a gradient is missing or the state changed (a loaded state
-        dict, a changed momentum); 2 when a gradient changed after it was read.
+        same momentum options; 1 when a gradient is missing, the state changed (a loaded state
+        dict, a changed momentum, a momentum buffer written to, also through ``.data``) or the
+        backward pass it read raised; 2 when a gradient changed after it was read.
 
         A gradient is unchanged when the tensor read is at the version read and ``param.grad``
         either lies in the memory read with the digest read (some in-place changes leave the
@@ -299,6 +302,7 @@ class _Run:
         code = USED
         copies = []  # (param.grad, the tensor read), to compare by their bits
         digests = []  # (param.grad's digest now, then)
+        buffers = []  # (the momentum buffer's digest now, then)
         for work in self.plan.works:
             p = work.param
             read = self.values.read.get(id(p))
@@ -319,7 +323,12 @@ class _Run:
                 copies.append((now, then))
             if read.buffer != buffer_mark(local(buf), work.param_group):
                 code = max(code, NOT_USED)
-        return code if same_bits(copies + digests) else CHANGED
+            else:
+                buffers.append((digest(local(buf)), read.buffer_digest))
+        grads_same, buffers_same = same_bits_each(copies + digests, buffers)
+        if not grads_same:
+            return CHANGED
+        return code if buffers_same else max(code, NOT_USED)
 
 
 class EarlyStart:

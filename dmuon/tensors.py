@@ -18,11 +18,23 @@ def local(tensor: Tensor) -> Tensor:
 def same_bits(pairs: Sequence[tuple[Tensor, Tensor]]) -> bool:
     """Whether the two tensors of every pair hold the same bits (NaNs alike; +0 and -0 differ),
     as one bool (one host sync for all the pairs)."""
-    if any(a.shape != b.shape or a.dtype != b.dtype for a, b in pairs):
-        return False
-    differs = [torch.ne(a.view(as_int), b.view(as_int)).any()
-               for a, b in pairs for as_int in [_INTEGER_OF_SIZE[a.element_size()]]]
-    return not differs or not torch.stack(differs).any().item()
+    return same_bits_each(pairs)[0]
+
+
+def same_bits_each(*pair_lists: Sequence[tuple[Tensor, Tensor]]) -> list[bool]:
+    """For each list of pairs, whether the two tensors of every pair hold the same bits (NaNs
+    alike; +0 and -0 differ), with one host sync for all the lists."""
+    differs: list[Tensor | bool] = []
+    for pairs in pair_lists:
+        if any(a.shape != b.shape or a.dtype != b.dtype for a, b in pairs):
+            differs.append(True)
+            continue
+        flags = [torch.ne(a.view(as_int), b.view(as_int)).any()
+                 for a, b in pairs for as_int in [_INTEGER_OF_SIZE[a.element_size()]]]
+        differs.append(torch.stack(flags).any() if flags else False)
+    read = iter(torch.stack([d for d in differs if isinstance(d, Tensor)]).tolist()
+                if any(isinstance(d, Tensor) for d in differs) else [])
+    return [not (next(read) if isinstance(d, Tensor) else d) for d in differs]
 
 
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

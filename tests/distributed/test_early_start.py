@@ -504,3 +504,51 @@ def test_a_schedule_set_between_backward_and_step(key):
     assert opt.early_start == "on" and warned == 0
     assert begun[1:] == ([0, 0, 0] if key == "momentum" else [4, 4, 4])  # the hooks arm at the first step
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def _momentum_written(early_start: bool, write: str, parallel: str | None, dtype: torch.dtype) -> dict:
+    """Three steps of the MLP (``parallel``: None, "fsdp" or "owner"); before the last step,
+    between backward() and step(), every momentum buffer is halved, in place (``write``
+    "zero_": zeroed) or through ``.data``, which leaves its version counter as it was."""
+    model = tiny_mlp(dtype=dtype)
+    if parallel == "fsdp":
+        _fully_shard_each(model)
+    elif parallel == "owner":
+        dmuon.shard_by_owner(model, layers=list(model))
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
+    torch.manual_seed(1)
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 32, dtype=dtype)).square().mean().backward()
+        if step == 2:
+            for state in opt.state.values():
+                if "momentum_buffer" in state:
+                    buf = state["momentum_buffer"]
+                    if write == "zero_":
+                        buf.zero_()
+                    else:
+                        buf.data.mul_(0.5)
+        opt.step()
+    return dict(params=whole_params(model) if parallel else [p.detach().clone() for p in model.parameters()],
+                status=opt.early_start)
+
+
+@pytest.mark.parametrize("write,parallel,world,dtype", [
+    (".data", None, 1, torch.float32), (".data", None, 1, torch.bfloat16), ("zero_", None, 1, torch.float32),
+    (".data", "fsdp", 2, torch.float32), (".data", "owner", 3, torch.float32),
+])
+def test_a_momentum_buffer_written_between_backward_and_step_is_seen(write, parallel, world, dtype):
+    """The step uses the buffer as it is at step(): the held updates are not applied, and early
+    start stays on (not a change of the gradients)."""
+    if parallel is None:
+        on, off = (single_process(_momentum_written, early, write, None, dtype) for early in (True, False))
+        ons, offs = [on], [off]
+    else:
+        ons, offs = (run_on_ranks(world, _momentum_written, early, write, parallel, dtype) for early in (True, False))
+    for on, off in zip(ons, offs):
+        assert on["status"] == "on"
+        if parallel is None:
+            assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
+        else:
+            for name, value in off["params"].items():
+                assert torch.equal(on["params"][name], value), name
