@@ -7,7 +7,7 @@ alternative (each pair interleaved, best of several repeats, one process):
   (``orthogonalization._transposed``, made once per Newton–Schulz call for the products that read
   the input) vs as the strided view, the copy's own cost, and the copy a matrix at a time vs a
   batched one;
-* the quick non-finite look (``tensors.maybe_nonfinite``: one fp32-accumulated
+* the quick non-finite look (``tensors.grad_norms``: one fp32-accumulated
   ``torch._foreach_norm``) vs the exact check (fp64-accumulated norms);
 * for fp64 tensors, the infinity norm ``tensors.finite_flags`` takes (a maximum cannot
   overflow) vs the 2-norm: the price of exactness;
@@ -29,7 +29,7 @@ import torch
 
 from dmuon import orthogonalization
 from dmuon.orthogonalization import _max_abs, _transposed, orthogonalize, resolve_config
-from dmuon.tensors import maybe_nonfinite
+from dmuon.tensors import grad_norms
 from dmuon.timing import best_seconds
 
 CPU = torch.device("cpu")
@@ -71,7 +71,8 @@ def main() -> None:
             lambda: stack.mT.contiguous(), args.repeats)
 
     tensors = [torch.randn(512, 1536, generator=g) for _ in range(16)]
-    compare("non-finite look at 16 x 512x1536 fp32: fp32 vs fp64 norms", lambda: maybe_nonfinite(tensors),
+    compare("non-finite look at 16 x 512x1536 fp32: fp32 vs fp64 norms",
+            lambda: ~torch.stack(grad_norms(tensors)).isfinite(),
             lambda: torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).isfinite(), args.repeats)
     wide = [t.double() for t in tensors[:4]]
     compare("fp64 4 x 512x1536: infinity norm vs the 2-norm (may overflow)",

@@ -13,9 +13,13 @@ of bytes) fetch the details for the message — and then every rank raises the s
 The header has the same length at every entry point, so two ranks in different calls (one
 constructing an optimizer, another stepping one) still complete the all-reduce together and
 both learn what went wrong: a collective of mismatched sizes would abort the processes or leave
-one waiting. At ``step`` the header also carries whether some gradient may be non-finite and a
-digest of which parameters have no gradient; only when that digest differs between ranks does a
-second all-reduce send one flag per parameter.
+one waiting. At ``step`` the header also carries whether some gradient may be non-finite, a
+digest of which parameters have no gradient (only when that digest differs between ranks does a
+second all-reduce send one flag per parameter), and two weighted sums of the gradient norms of
+the plain-tensor Muon parameters, which every rank holds whole as a replica: replicas have the
+same gradient on every rank (DDP's all-reduce gives them the same bits), so sums that differ
+beyond rounding mean that some "replica" is not one (a model on a sub-group of the ranks, or
+gradients nobody averaged), and every rank raises, naming the parameter, before anything moves.
 
 A failure on one rank before the agreement — any exception of the rank's local part — travels
 as the failing rank's number, and every other rank raises an error carrying its message.
@@ -36,17 +40,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon.exchange import CommCounter, all_gather_bytes, all_reduce_max
-from dmuon.tensors import finite_flags, local, maybe_nonfinite
+from dmuon.tensors import finite_flags, grad_norms, local
 
 Fingerprint = Sequence[tuple[str, str]]
 Words = tuple[int, int, int]
 
-ENTRIES = ("construction", "add_param_group", "load_state_dict", "step", "shard_by_owner", "QKClip",
-           "register_ddp_comm_hook")
+ENTRIES = ("construction", "add_param_group", "load_state_dict", "step", "shard_by_owner", "QKClip")
 _WORD_BITS = 21
 # the header's fields, by position
-_ENTRY, _DIGEST, _FAILED, _NUMBER, _NONFINITE, _MISSING, _EARLY = 0, 2, 8, 9, 10, 11, 17
-HEADER_LEN = 18
+_ENTRY, _DIGEST, _FAILED, _NUMBER, _NONFINITE, _MISSING, _EARLY, _REPLICAS = 0, 2, 8, 9, 10, 11, 17, 18
+HEADER_LEN = 22
+# replicas' gradient norms agree to this relative tolerance (ranks may sum them in another order)
+REPLICA_RTOL = 1e-4
 
 
 def digest_words(fingerprint: Fingerprint) -> Words:
@@ -106,6 +111,13 @@ class Agreed:
         """The ranks lack gradients for different parameters (step)."""
         return _differs(self.fields, _MISSING, 3)
 
+    @property
+    def replicas_differ(self) -> bool:
+        """The replicas' gradient norm sums differ between ranks beyond rounding (step)."""
+        pairs = [(self.fields[_REPLICAS + 2 * i], -self.fields[_REPLICAS + 2 * i + 1]) for i in range(2)]
+        scale = max(abs(v) for pair in pairs for v in pair)
+        return any(high - low > REPLICA_RTOL * scale for high, low in pairs)
+
 
 # A failure on another rank is raised here as the same type where it is one of these (else RuntimeError).
 _SHARED_TYPES = {t.__name__: t for t in (ValueError, TypeError, RuntimeError, KeyError, IndexError,
@@ -126,6 +138,7 @@ def agree(
     nonfinite: Tensor | None = None,
     missing: Words = (0, 0, 0),
     early: int = 0,
+    replica_sums: Tensor | None = None,
 ) -> Agreed:
     """Run the agreement of one collective call over ``process_group``.
 
@@ -134,9 +147,10 @@ def agree(
     differ. A caller that has the digest already passes ``words``. ``error`` is this rank's own
     failure, if any: every other rank then raises an error of its type (a built-in one's, else
     RuntimeError) carrying its message, and this rank re-raises it. ``number``, ``nonfinite`` (a
-    bool tensor on ``device``, read with the rest: no extra host sync), ``missing`` and ``early``
-    (this rank's early-start code, :attr:`Agreed.early`) are the construction's and the step's
-    extra fields.
+    bool tensor on ``device``, read with the rest: no extra host sync), ``missing``, ``early``
+    (this rank's early-start code, :attr:`Agreed.early`) and ``replica_sums`` (two floats on
+    ``device``, :attr:`Agreed.replicas_differ`) are the construction's and the step's extra
+    fields.
     Raises the same error on every rank when the ranks are in different calls, hold different
     configurations, or one of them failed.
     """
@@ -144,13 +158,15 @@ def agree(
         words = digest_words(fingerprint() if callable(fingerprint) else fingerprint or ())
     code = ENTRIES.index(entry) + 1
     values = [code, -code, *_both_signs(words), dist.get_rank() + 1 if error is not None else 0, number, 0,
-              *_both_signs(missing), early]
+              *_both_signs(missing), early, 0, 0, 0, 0]
     header = torch.tensor(values, dtype=torch.float32)
     if device.type == "cuda":  # from pinned memory the copy does not wait for the step's kernels
         header = header.pin_memory()
     header = header.to(device, non_blocking=True)
     if nonfinite is not None:
         header[_NONFINITE] = nonfinite.to(torch.float32).reshape(())
+    if replica_sums is not None:
+        header[_REPLICAS:_REPLICAS + 4] = torch.stack([replica_sums, -replica_sums], dim=1).reshape(-1)
     fields = tuple(all_reduce_max(header, process_group, counter).tolist())  # the one host read
     codes = (int(fields[_ENTRY]), -int(fields[_ENTRY + 1]))
     if codes[0] != codes[1]:
@@ -211,28 +227,31 @@ def record_number(process_group: dist.ProcessGroup, number: int) -> None:
     _NUMBERS[process_group.group_name] = number
 
 
-def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy: str,
+def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool], list[bool]]], policy: str,
                   process_group: dist.ProcessGroup | None, device: Callable[[], torch.device],
                   fingerprint: Callable[[], Fingerprint], counter: CommCounter, names: Callable[[], list[str]],
                   early: Callable[[], int] = lambda: 0) -> tuple[list[Tensor], list[bool], set[int] | None, int]:
     """The agreement of a step. ``prepare`` is this rank's part before it (its checks of its
-    settings and gradients); it returns every parameter of the optimizer, in group order, and
-    whether this rank steps each (owner sharding: only the owner does). ``early`` gives this
-    rank's early-start code after it (:attr:`Agreed.early`). Returns those, which parameters to
-    leave alone, by position, or None to skip the whole step, and the agreed early-start code
-    (at least 1 where ranks lack different gradients).
+    settings and gradients); it returns every parameter of the optimizer, in group order,
+    whether this rank steps each (owner sharding: only the owner does), and whether each is a
+    replica every rank holds whole (a plain-tensor Muon parameter under torch.distributed).
+    ``early`` gives this rank's early-start code after it (:attr:`Agreed.early`). Returns the
+    parameters, whether this rank steps each, which parameters to leave alone, by position, or
+    None to skip the whole step, and the agreed early-start code (at least 1 where ranks lack
+    different gradients).
 
     Every rank takes the same decisions (or the collectives would not match): the step is
     skipped if any rank saw a non-finite gradient (``policy`` "skip"; "raise" raises on every
     rank; "ignore" checks nothing), and a parameter is stepped only if every rank that steps it
-    has its gradient. A failure of ``prepare`` and a sparse gradient raise on every rank at once.
-    The flags stay on the device until the header's all-reduce: reading it is the step's one
-    host synchronization (on CUDA; none follows unless some rank flagged a gradient or ranks
-    lack different gradients).
+    has its gradient. A failure of ``prepare``, a sparse gradient and replicas whose gradients
+    differ between ranks raise on every rank at once. The flags stay on the device until the
+    header's all-reduce: reading it is the step's one host synchronization (on CUDA; none
+    follows unless some rank flagged a gradient, ranks lack different gradients or replicas
+    differ).
     """
-    error, params, here, code = None, [], [], 1
+    error, params, here, replicas, code = None, [], [], [], 1
     try:
-        params, here = prepare()
+        params, here, replicas = prepare()
         code = early()
     except Exception as err:  # noqa: BLE001 - shared with the other ranks below
         error = err
@@ -240,17 +259,26 @@ def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy
     missing = [i for i, p in enumerate(params) if here[i] and p.grad is None]
     grads = [local(params[i].grad) for i in checked]
     sparse = next((i for i, g in zip(checked, grads) if g.is_sparse), None)
-    suspect = None
+    suspect, replica_sums = None, None
     if error is None and sparse is not None:  # before any reduction (none runs on sparse tensors)
         error = RuntimeError(f"Muon does not support sparse gradients: {names()[sparse]!r} has one. Use dense "
                              "gradients (e.g. nn.Embedding(..., sparse=False)).")
-    elif error is None and policy != "ignore" and checked:
-        suspect = maybe_nonfinite(grads)
+    elif error is None and checked:
+        replica_grads = [k for k, i in enumerate(checked) if replicas[i]] if process_group is not None else []
+        norms = None
+        if policy != "ignore":
+            norms = grad_norms(grads)
+            suspect = ~torch.stack(norms).isfinite()
+        if replica_grads:
+            picked = [norms[k] for k in replica_grads] if norms is not None else \
+                grad_norms([grads[k] for k in replica_grads])
+            replica_sums = _weighted_sums(torch.stack(picked))
     missing_words = digest_words([("missing", json.dumps(missing))])
     agreed = None
     if process_group is not None:
         agreed = agree("step", fingerprint, process_group, device(), error=error, counter=counter,
-                       nonfinite=suspect.any() if suspect is not None else None, missing=missing_words, early=code)
+                       nonfinite=suspect.any() if suspect is not None else None, missing=missing_words, early=code,
+                       replica_sums=replica_sums)
         code = agreed.early
     if error is not None:
         raise error
@@ -264,6 +292,8 @@ def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy
         partial = [names()[i] for i in sorted(left_alone) if i in checked]
         if partial:
             warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=4)
+    elif agreed is not None and not flagged and agreed.replicas_differ:
+        _raise_for_replicas(params, replicas, names(), process_group, device())
     # the quick look flags huge finite gradients too: the exact check of those decides
     nonfinite = _confirm_nonfinite(grads, suspect, process_group, device(), counter) if flagged else None
     if nonfinite is not None:
@@ -274,6 +304,40 @@ def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool]]], policy
         warnings.warn(f"Muon skipped a step: non-finite gradients in {where}.", stacklevel=4)
         return params, here, None, code
     return params, here, left_alone, code
+
+
+def _weighted_sums(norms: Tensor) -> Tensor:
+    """Two sums of a rank's replica gradient norms (fp32, non-finite ones as 0): plain, and
+    weighted by position, so that two replicas whose norms trade places still differ."""
+    norms = torch.where(norms.isfinite(), norms, 0).to(torch.float32)
+    weights = torch.arange(norms.numel(), device=norms.device, dtype=torch.float32).remainder_(7).add_(1)
+    return torch.stack([norms.sum(), (norms * weights).sum()])
+
+
+def _raise_for_replicas(params: Sequence[Tensor], replicas: Sequence[bool], every: Sequence[str],
+                        process_group: dist.ProcessGroup, device: torch.device) -> None:
+    """Replicas' gradients differ between ranks: every rank raises the same error, naming the
+    first such parameter and its gradient norm on two ranks (an all-gather of every rank's
+    replica norms; every rank comes here together)."""
+    positions = [i for i, r in enumerate(replicas) if r]
+    grads = [params[i].grad for i in positions]
+    norms = torch.stack(grad_norms([g if g is not None else torch.zeros(0, device=device) for g in grads])).tolist()
+    mine = [n if g is not None else None for n, g in zip(norms, grads)]
+    everyone = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode(), process_group, device)]
+    ranks = dist.get_process_group_ranks(process_group)
+    for k, i in enumerate(positions):  # noqa: B007 - i names the parameter after the loop
+        seen = [(ranks[r], norms_of[k]) for r, norms_of in enumerate(everyone) if norms_of[k] is not None]
+        low, high = min(seen, key=lambda rn: rn[1]), max(seen, key=lambda rn: rn[1])
+        if high[1] - low[1] > REPLICA_RTOL * abs(high[1]):
+            break
+    else:
+        low, high, i = (ranks[0], float("nan")), (ranks[-1], float("nan")), positions[0]
+    raise ValueError(
+        f"Muon parameter {every[i]!r} is a plain tensor, which dmuon takes for a replica held whole on every rank "
+        f"of its process group (ranks {ranks}), but its gradient differs between them (norm {low[1]:.6g} on rank "
+        f"{low[0]}, {high[1]:.6g} on rank {high[0]}): the ranks do not hold copies of one model. Pass the ranks "
+        "that do as process_group= (dmuon.Muon(ddp_model) takes a DDP model's own), or average the gradients "
+        "across the ranks (DDP) before step().")
 
 
 def _confirm_nonfinite(grads: Sequence[Tensor], suspect: Tensor | None, process_group: dist.ProcessGroup | None,

@@ -79,6 +79,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from dmuon.exchange import all_reduce_max
 from dmuon.layout import owned_by
 from dmuon.step_plan import StepPlan
 from dmuon.step_values import StepValues
@@ -203,22 +204,32 @@ def _stages_in_turn(strategies: Sequence[PlannedExchange], values: EarlyValues, 
 
 
 class _Run:
-    """One backward pass's early run of a step plan."""
+    """One backward pass's early run of a step plan.
+
+    Before its first bucket starts, the ranks agree (one all-reduce over ``group``, where the
+    plan exchanges anything) whether any of them holds this backward pass back
+    (``Muon.accumulating()``); if one does, none starts anything until the next backward pass,
+    so that every rank issues the run's collectives at the same points of the backward pass
+    and ``accumulating()`` can stay local to a rank."""
 
     def __init__(self, plan: StepPlan, state: dict, context: Context, start_step: Callable[[], None],
-                 stream: Any) -> None:
+                 stream: Any, group: dist.ProcessGroup | None = None) -> None:
         self.plan = plan
         self.values = EarlyValues(plan, state)
         self.context, self.start_step, self.stream = context, start_step, stream
+        # the ranks that agree on holding a backward pass back: only where the run exchanges
+        self.group = group if any(w.process_group is not None for w in plan.works) else None
+        self.device = plan.works[0].param.device
         # the exchange groups' planned exchanges one after the other, as the engine runs them;
         # a bucket is (the strategy's position, the bucket's), in the order the stages reach them
         self.stages: Iterator[Bucket] = _stages_in_turn(plan.strategies, self.values, context)
         self.order: list[Bucket] = [(s, k) for s, strategy in enumerate(plan.strategies)
                                     for k in range(len(strategy.buckets))]
-        # the parameters each bucket waits for
-        self.waiting = {(s, k): {id(plan.works[i].param) for i in plan.strategies[s].buckets[k].indices}
-                        for s, k in self.order}
+        self.waiting = self._waiting()
         self.seen: set[int] = set()
+        self.agreed = False  # the ranks agreed to start its first bucket
+        # the gradients seen in a backward pass some rank held back, until one comes again
+        self.held_back: set[int] | None = None
         self.started = False
         self.next: Bucket | None = self.order[0] if self.order else None  # the bucket the run waits for
         self.repeated = False  # a gradient was final twice (a second backward pass)
@@ -226,10 +237,21 @@ class _Run:
         self.abandoned = False
         self.reducing: Reducing | None = None  # DDP's bucket whose all-reduce was started last
 
-    def ready(self, p: Tensor) -> None:
-        """``p``'s gradient is final: start every bucket whose gradients all are, in order."""
+    def _waiting(self) -> dict[Bucket, set[int]]:
+        """The parameters each bucket waits for."""
+        return {(s, k): {id(self.plan.works[i].param) for i in self.plan.strategies[s].buckets[k].indices}
+                for s, k in self.order}
+
+    def ready(self, p: Tensor, held: bool = False) -> None:
+        """``p``'s gradient is final: start every bucket whose gradients all are, in order.
+        ``held``: this rank holds this backward pass back (``Muon.accumulating()``)."""
         if self.abandoned:
             return
+        if self.held_back is not None:
+            if id(p) not in self.held_back:
+                self.held_back.add(id(p))
+                return
+            self.held_back = None  # p's gradient again: the next backward pass
         if id(p) in self.seen:
             self.repeated = True
             return
@@ -237,16 +259,28 @@ class _Run:
         for waiting in self.waiting.values():
             waiting.discard(id(p))
         while self.next is not None and not self.waiting[self.next]:
+            if not self.agreed:
+                if self._held_anywhere(held):
+                    self.held_back, self.seen, self.waiting = self.seen, set(), self._waiting()
+                    return
+                self.agreed = True
             self._advance()
 
-    def reduced(self, bucket: Reducing) -> None:
+    def _held_anywhere(self, held: bool) -> bool:
+        """Whether some rank holds this backward pass back (collective over ``group``: every rank
+        gets here at the same hook, the one that completes the first bucket)."""
+        if self.group is None:
+            return held
+        return all_reduce_max(torch.tensor([float(held)], device=self.device), self.group).item() > 0
+
+    def reduced(self, bucket: Reducing, held: bool = False) -> None:
         """DDP started the all-reduce of ``bucket``: the one it started before is final once its
         own all-reduce is done, and it goes on now, while this one is in flight."""
         before, self.reducing = self.reducing, bucket
         if before is not None:
-            self._ready_reduced(before)
+            self._ready_reduced(before, held)
 
-    def _ready_reduced(self, bucket: Reducing) -> None:
+    def _ready_reduced(self, bucket: Reducing, held: bool = False) -> None:
         params, grads, done = bucket
         if self.stream is None:
             done.wait()
@@ -256,11 +290,12 @@ class _Run:
         for p, g in zip(params, grads):
             self.values.final_grads[id(p)] = g
         for p in params:
-            self.ready(p)
+            self.ready(p, held)
 
     def finish(self) -> None:
         """Run what is left (at ``step()``): every rank issues the rest of its collectives."""
         begun = len(self.order) if self.next is None else self.order.index(self.next)
+        self.agreed, self.held_back = True, None  # every rank is here: nothing to hold back
         if self.reducing is not None:  # DDP's last bucket: its all-reduce is done by now
             self._ready_reduced(self.reducing)
             self.reducing = None
@@ -344,12 +379,14 @@ class EarlyStart:
         weakref.finalize(self, _remove, self._hooks)
         self._run: _Run | None = None
         self._stream: Any = None
-        self.ddp: DDPReduction | None = None  # the comm hook of a DDP model, once registered
+        self.ddp: DDPReduction | None = None  # the comm hook of a DDP model, once the ranks agreed on it
+        self.registered_ddp: DDPReduction | None = None  # registered here, until the next step's agreement
         self.paused = False  # inside Muon.accumulating(): gradients are not final yet
 
     def arm(self, plan: StepPlan | None, state: dict, context: Context, start_step: Callable[[], None],
-            compiled: bool) -> None:
-        """After a step: run ``plan`` early in the next backward pass, where it can."""
+            compiled: bool, group: dist.ProcessGroup | None = None) -> None:
+        """After a step: run ``plan`` early in the next backward pass, where it can; ``group``:
+        the optimizer's ranks, which agree before the run's first bucket (:class:`_Run`)."""
         self._run = None
         if self.setting is False or plan is None:
             return
@@ -374,7 +411,7 @@ class EarlyStart:
             self._hooks.update({key: s.notify_final_gradients(final) for key, s in shardings.items()})
         if params[0].device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(device=params[0].device)
-        self._run = _Run(plan, state, context, start_step, self._stream)
+        self._run = _Run(plan, state, context, start_step, self._stream, group)
         self.status = "on" + (" (a CUDA stream of its own)" if self._stream is not None else "")
 
     def check(self, plan: StepPlan, compiled: bool, ddp_may_follow: bool = False) -> None:
@@ -384,12 +421,12 @@ class EarlyStart:
             raise ValueError(f"Invalid early_start=True: {why}. Pass early_start=None (where supported) or False.")
 
     def _ready(self, p: Tensor) -> None:
-        if self._run is not None and not self.paused:
-            self._run.ready(p)
+        if self._run is not None:
+            self._run.ready(p, self.paused)
 
     def _reduced(self, bucket: Reducing) -> None:
-        if self._run is not None and not self.paused:
-            self._run.reduced(bucket)
+        if self._run is not None:
+            self._run.reduced(bucket, self.paused)
 
     def finish(self) -> _Run | None:
         """At ``step()``: the current run, finished — started in the backward pass or not, so

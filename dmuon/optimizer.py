@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from dmuon import param_groups
 from dmuon.agreement import Fingerprint, agree_on_step, agreed_call, digest_words, issued_number, record_number
@@ -41,6 +42,32 @@ from dmuon.routing import Route, module_roles
 from dmuon.statistics import step_statistics
 from dmuon.step_plan import StepPlan, build_engine, steps_here
 from dmuon.step_values import StepValues
+
+
+def replica_group(params: Any, process_group: Any) -> dist.ProcessGroup | None:
+    """The process group of the optimizer's plain (replicated) tensors: ``process_group``, else
+    that of a ``DistributedDataParallel`` model passed as ``params`` (its replicas live on its
+    ranks, which may be a sub-group: a pipeline stage).
+
+    Raises:
+        TypeError: ``process_group`` is not a process group.
+        ValueError: it covers other ranks than the DDP model passed as ``params``.
+    """
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"Invalid process_group={process_group!r}. Must be a torch.distributed.ProcessGroup "
+                        "(dist.group.WORLD, dist.new_group(...), a DeviceMesh's get_group()) or None.")
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(params, DistributedDataParallel):
+        return process_group
+    if process_group is None:
+        return params.process_group
+    ours, theirs = dist.get_process_group_ranks(process_group), dist.get_process_group_ranks(params.process_group)
+    if ours != theirs:
+        raise ValueError(f"Invalid process_group: it covers ranks {ours}, but the DistributedDataParallel model "
+                         f"passed as params reduces over ranks {theirs}. Leave process_group out (dmuon takes the "
+                         "DDP model's) or pass the DDP model's process group.")
+    return process_group
 
 
 class StepCompanion(Protocol):
@@ -135,7 +162,7 @@ class Muon(torch.optim.Optimizer):
         early_start: bool | None = None,
     ) -> None:
         # first: a failure below is shared with the other ranks; held weakly, like every group dmuon keeps
-        self._process_group = GroupRef(process_group)
+        self._process_group = GroupRef(replica_group(params, process_group))
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
             eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
@@ -400,8 +427,9 @@ class Muon(torch.optim.Optimizer):
         step is better served by the cost order, which may also split matrices."""
         device = self._collective_device()
         plan = self._planner.step_plan(self._plan, entries, device)
+        ddp = self._early.ddp or self._early.registered_ddp  # (registered here: to be agreed at the step)
         if (self._planner.ready_order and self._early.setting is None
-                and unsupported_because(plan, self._compiled, self._early.ddp) is not None):
+                and unsupported_because(plan, self._compiled, ddp) is not None):
             self._planner.ready_order = False
             plan = self._planner.build(plan.key, entries, device)
         return plan
@@ -433,6 +461,8 @@ class Muon(torch.optim.Optimizer):
             self._step_fingerprint, self._engine.counter, lambda: param_groups.all_names(self.param_groups),
             lambda: run.code(self.state) if run is not None else USED)
         self._steps_taken += 1
+        if self._early.registered_ddp is not None:
+            self._use_registered_ddp_hook()
         if early == CHANGED:
             self._early.turn_off("the gradients changed between the backward pass and step() (a second backward "
                                  "pass for gradient accumulation, or clipping or unscaling them), so its work was "
@@ -503,53 +533,68 @@ class Muon(torch.optim.Optimizer):
 
     def _arm_early_start(self) -> None:
         """Let the next backward pass start this step's plan (:mod:`dmuon.early_start`)."""
-        self._early.arm(self._plan, self.state, self._engine.context, self._engine.start_step, self._compiled)
+        self._early.arm(self._plan, self.state, self._engine.context, self._engine.start_step, self._compiled,
+                        self._agreement_group())
 
     def register_ddp_comm_hook(self, model: nn.Module) -> None:
-        """Let early start begin each bucket's Newton–Schulz once DDP's all-reduce of it is done
-        (collective: every rank calls it, with the same DDP model, before the step that should
-        use it). ``model``: the ``DistributedDataParallel`` model whose parameters this optimizer
-        steps. It registers dmuon's comm hook on ``model``, which reduces gradients as DDP's
-        built-in reduction does (the same bits) and, where early start runs, hands each bucket
-        to it (:mod:`dmuon.early_start`); DDP takes one comm hook per model, so ``model`` must
-        have no other (an optimizer made later for the same model takes dmuon's over)."""
+        """Let early start begin each bucket's Newton–Schulz once DDP's all-reduce of it is done.
+
+        It registers dmuon's comm hook on ``model``, which reduces gradients as DDP's built-in
+        reduction does (the same bits, one all-reduce per bucket) and, once the ranks have
+        agreed on it at the next ``step()``, hands each bucket to early start
+        (:mod:`dmuon.early_start`). Local: call it on every rank, before the step that should
+        use it; a rank that did not is found at that step, and every rank raises. DDP takes one
+        comm hook per model, so ``model`` must have no other (an optimizer made later for the
+        same model takes dmuon's over).
+
+        Args:
+            model: the ``DistributedDataParallel`` model whose parameters this optimizer steps.
+
+        Raises:
+            TypeError: ``model`` is not a ``DistributedDataParallel`` model.
+            ValueError: it reduces over other ranks than the optimizer's, holds none of its Muon
+                parameters, or a hook was registered before on this optimizer.
+        """
         from torch.nn.parallel import DistributedDataParallel
 
-        reduction = None
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"register_ddp_comm_hook needs a DistributedDataParallel model, got "
+                            f"{type(model).__name__}.")
+        ours, theirs = self._agreement_group(), model.process_group
+        if ours is not None and dist.get_process_group_ranks(ours) != dist.get_process_group_ranks(theirs):
+            raise ValueError(f"The DDP model reduces over ranks {dist.get_process_group_ranks(theirs)}, this "
+                             f"optimizer works over ranks {dist.get_process_group_ranks(ours)}: build the optimizer "
+                             "from the DDP model (dmuon.Muon(ddp_model)) or pass its process_group.")
+        if self._early.ddp is not None or self._early.registered_ddp is not None:
+            raise ValueError("register_ddp_comm_hook was called before on this optimizer: it serves one DDP model.")
+        in_model = {id(p) for p in model.parameters()}
+        replicated = [m for m in param_groups.muon_params(self.param_groups) if owned_by(m.param) is None]
+        if replicated and not any(id(m.param) in in_model for m in replicated):
+            raise ValueError(f"register_ddp_comm_hook: the DDP model ({type(model.module).__name__}) holds none of "
+                             f"this optimizer's Muon parameters (such as {replicated[0].name!r}): pass the DDP model "
+                             "of the parameters the optimizer steps.")
+        self._early.registered_ddp = DDPReduction.of(model)  # DDP raises if the model has another comm hook
+        self._plan = None  # the next step's plan: early start's, where it can now run
+        self._order_buckets()
 
-        def check() -> Fingerprint:
-            nonlocal reduction
-            if not isinstance(model, DistributedDataParallel):
-                raise TypeError(f"register_ddp_comm_hook needs a DistributedDataParallel model, got "
-                                f"{type(model).__name__}.")
-            ours, theirs = self._agreement_group(), model.process_group
-            if ours is not None and dist.get_process_group_ranks(ours) != dist.get_process_group_ranks(theirs):
-                raise ValueError(f"The DDP model reduces over ranks {dist.get_process_group_ranks(theirs)}, this "
-                                 f"optimizer works over ranks {dist.get_process_group_ranks(ours)}: pass the DDP "
-                                 "model's process group to dmuon.Muon(process_group=...).")
-            if self._early.ddp is not None:
-                raise ValueError("register_ddp_comm_hook was called before on this optimizer: it serves one DDP "
-                                 "model.")
-            reduction = DDPReduction.of(model)  # DDP raises if the model has another comm hook
-            missing = [m.name for m in param_groups.muon_params(self.param_groups)
-                       if id(m.param) not in reduction.params and owned_by(m.param) is None]
-            return [("DDP comm hook", "registered"), ("Muon parameters outside the DDP model", repr(missing))]
-
-        agreed_call("register_ddp_comm_hook", check, self._agreement_group(), self._collective_device,
-                    what="DDP comm hook")
-        reduction.hand_to(self._early)  # only where every rank registered it: the early runs' collectives match
+    def _use_registered_ddp_hook(self) -> None:
+        """After a step's agreement, which compared whether each rank registered the DDP comm
+        hook: from now on the hook hands its buckets to early start (the early runs' collectives
+        then match on every rank)."""
+        reduction, self._early.registered_ddp = self._early.registered_ddp, None
+        reduction.hand_to(self._early)
         self._early.ddp = reduction
         self._plan = None  # early start's plan, where it can now run
         self._order_buckets()
-        self._arm_early_start()
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
         """Gradient accumulation with early start: the backward passes inside (every micro-batch
         but the last) begin nothing, as their gradients are not final; the last one's, outside,
         begins the step's work. DDP's and owner sharding's ``no_sync()`` and FSDP2's
-        ``set_requires_gradient_sync(False)`` do this already for their layouts. This rank only:
-        not collective."""
+        ``set_requires_gradient_sync(False)`` do this already for their layouts. Local: a rank
+        may enter it alone; where early start exchanges anything, the ranks agree before a
+        backward pass's first bucket whether any of them holds it back, and none starts it then."""
         previous, self._early.paused = self._early.paused, True
         try:
             yield
@@ -562,13 +607,16 @@ class Muon(torch.optim.Optimizer):
         if not, why: "on", or "off: <reason>"."""
         return self._early.status
 
-    def _prepare_step(self) -> tuple[list[Tensor], list[bool]]:
+    def _prepare_step(self) -> tuple[list[Tensor], list[bool], list[bool]]:
         """This rank's part of a step before the ranks agree: the parameters (those the model
-        replaced on leaving the meta device taken from it), whether this rank steps each, the
+        replaced on leaving the meta device taken from it), whether this rank steps each and
+        whether each is a replica every rank holds whole (a plain-tensor Muon parameter), the
         owner shardings' gradients, and the hyperparameters changed since they were last
         checked, checked as the constructor checks them."""
         param_groups.follow_meta_parameters(self.param_groups, self._model())
         params = [p for group in self.param_groups for p in group["params"]]
+        replicas = [algorithm == "muon" and not isinstance(p, DTensor) and owned_by(p) is None
+                    for group in self.param_groups for p, algorithm in zip(group["params"], group["algorithms"])]
         here, shardings = owner_shardings(params)  # here: this rank steps it
         for sharding in shardings:
             sharding.wait_for_gradients()
@@ -576,13 +624,15 @@ class Muon(torch.optim.Optimizer):
         if now != self._checked_settings:
             param_groups.validate_groups(self.param_groups)
             self._checked_settings = now
-        return params, here
+        return params, here, replicas
 
     def _step_fingerprint(self) -> Fingerprint:
         """What a step depends on, as the ranks compare it: the configuration they agreed on
         last, which optimizer this is, the steps it has taken, and the hyperparameters now."""
+        hook = self._early.ddp is not None or self._early.registered_ddp is not None
         return [("configuration digest", repr(self._structure_words)), ("the optimizer's number", repr(self._number)),
                 ("number of steps taken", repr(self._steps_taken)), *self._checked_settings,
+                ("register_ddp_comm_hook called", repr(hook)),
                 *(row for companion in self._companions for row in companion.step_fingerprint())]
 
     def _collective_device(self) -> torch.device:

@@ -55,17 +55,16 @@ def digest(tensor: Tensor) -> Tensor:
     return torch.stack([tensor.view(as_int).sum(dtype=as_int), tensor.sum().view(as_int)])
 
 
-def maybe_nonfinite(tensors: Sequence[Tensor]) -> Tensor:
-    """A quick look for non-finite tensors, as a bool vector (no host sync): True where a
-    tensor's 2-norm accumulated in its own precision (at least fp32) is not finite.
+def grad_norms(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Each tensor's 2-norm accumulated in its own precision (at least fp32), as 0-d tensors (no
+    host sync): one ``torch._foreach_norm`` call. ``tensors`` must not be empty.
 
-    It is True for every tensor holding a NaN or ±inf, and also for huge finite ones whose
-    squares overflow (|x| ≳ 1.8e19 in fp32); :func:`finite_flags` tells the two apart for the
-    few it flags. ``tensors`` must not be empty. One ``torch._foreach_norm`` call, faster on CPU
-    than the exact check in fp64 (``benchmarks/kernel_choices.py``)."""
+    A quick look for non-finite tensors (``~torch.stack(grad_norms(t)).isfinite()``): it is not finite for
+    every tensor holding a NaN or ±inf, and also for huge finite ones whose squares overflow
+    (|x| ≳ 1.8e19 in fp32); :func:`finite_flags` tells the two apart for the few it flags.
+    Faster on CPU than the exact check in fp64 (``benchmarks/kernel_choices.py``)."""
     wide = any(t.dtype == torch.float64 for t in tensors)
-    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float64 if wide else torch.float32)
-    return ~torch.stack(norms).isfinite()
+    return list(torch._foreach_norm(list(tensors), 2, dtype=torch.float64 if wide else torch.float32))
 
 
 def finite_flags(tensors: Sequence[Tensor]) -> Tensor:

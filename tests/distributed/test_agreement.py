@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import dmuon
 from tests.harness import run_on_ranks
-from tests.helpers import assert_same_error, error_of
+from tests.helpers import assert_same_error, error_of, single_process
 
 SHAPES = [(8, 4), (6, 6)]
 
@@ -434,3 +434,76 @@ def test_an_optimizer_built_on_the_meta_device_steps_after_to_empty(shard):
     torch.manual_seed(0)
     init = [torch.randn(s) for s in [(16, 8), (16,), (8, 16), (8,)]]
     assert all(not torch.equal(v, i) for v, i in zip(results[0].values(), init))  # and every parameter trained
+
+
+def two_ddp_stages(given: str, dtype: torch.dtype = torch.float32) -> dict:
+    """Ranks {0, 1} and {2, 3} train two models of the same architecture and initial values
+    (pipeline stages, say), each under DDP on its own sub-group, each with its own optimizer:
+    built from the DDP model (``given`` "ddp"), or from the inner model with no process group
+    ("inner"), where dmuon takes the whole job for its replicas."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.helpers import tiny_mlp
+
+    stage_group, _ = dist.new_subgroups(2)
+    stage = dist.get_rank() // 2
+    model = tiny_mlp(layers=3, dtype=dtype)
+    ddp = DistributedDataParallel(model, process_group=stage_group)
+    opt = dmuon.Muon(ddp if given == "ddp" else model, lr=0.02)
+    before = [p.detach().clone() for p in model.parameters()]
+    error = None
+    for step in range(3):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + stage)).to(dtype)
+        opt.zero_grad()
+        ddp(x.chunk(2)[dist.get_rank() % 2]).float().square().mean().backward()
+        error = error_of(opt.step)
+        if error is not None:
+            break
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return dict(error=error, unchanged=unchanged, params=[p.detach().clone() for p in model.parameters()])
+
+
+def one_stage_alone(stage: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """What a stage's two ranks compute, in one process on their whole batch."""
+    from tests.helpers import tiny_mlp
+
+    model = tiny_mlp(layers=3, dtype=dtype)
+    opt = dmuon.Muon(model, lr=0.02)
+    for step in range(3):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + stage)).to(dtype)
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_optimizer_of_a_ddp_model_on_a_sub_group_steps_with_that_group(dtype):
+    results = run_on_ranks(4, two_ddp_stages, "ddp", dtype)
+    for rank, r in enumerate(results):
+        assert r["error"] is None
+        alone = single_process(one_stage_alone, rank // 2, dtype)
+        for got, want, replica in zip(r["params"], alone, results[rank ^ 1]["params"]):
+            assert torch.equal(got, replica)  # the stage's replicas, bitwise
+            tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_replicas_whose_gradients_differ_between_ranks_are_refused_on_every_rank():
+    """The inner model of each stage's DDP, with no process group: dmuon would take the other
+    stage's matrices for replicas; their gradients differ, so every rank raises at the first
+    step, naming a parameter, before any weight changes."""
+    results = run_on_ranks(4, two_ddp_stages, "inner")
+    assert_same_error([r["error"] for r in results], r"ValueError: Muon parameter '\d\.weight' is a plain tensor, "
+                      r"which dmuon takes for a replica .*\(ranks \[0, 1, 2, 3\].* Pass the ranks that do as "
+                      r"process_group=")
+    assert all(r["unchanged"] for r in results)
+
+
+def process_group_of_another_kind() -> str | None:
+    return error_of(lambda: dmuon.Muon(make_params(), process_group="world"))
+
+
+def test_a_process_group_that_is_not_one_is_named():
+    errors = run_on_ranks(2, process_group_of_another_kind)
+    assert_same_error(errors, r"TypeError: Invalid process_group='world'\. Must be a torch\.distributed\.ProcessGroup")

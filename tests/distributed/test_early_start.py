@@ -552,3 +552,46 @@ def test_a_momentum_buffer_written_between_backward_and_step_is_seen(write, para
         else:
             for name, value in off["params"].items():
                 assert torch.equal(on["params"][name], value), name
+
+
+def _held_back_on_one_rank(early_start: bool, layout: str, dtype: torch.dtype) -> dict:
+    """Three steps of the MLP under DDP (with dmuon's comm hook) or FSDP2, each over two
+    micro-batches whose first backward pass rank 0 alone runs inside ``opt.accumulating()``: the
+    ranks agree to hold that backward pass back, so none starts a bucket there (or the early
+    runs' collectives would not match)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = tiny_mlp(dtype=dtype)
+    if layout == "fsdp":
+        _fully_shard_each(model)
+        run = model
+    else:
+        run = DistributedDataParallel(model, bucket_cap_mb=0.005)
+    opt = dmuon.Muon(run, lr=0.02, bucket_bytes=32 * 32 * dtype.itemsize, early_start=early_start)
+    if layout == "ddp":
+        opt.register_ddp_comm_hook(run)
+    torch.manual_seed(1 + dist.get_rank())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            with opt.accumulating() if dist.get_rank() == 0 else contextlib.nullcontext():
+                run(torch.randn(8, 32, dtype=dtype)).square().mean().backward()
+            run(torch.randn(8, 32, dtype=dtype)).square().mean().backward()
+            opt.step()
+    return dict(params=whole_params(model), status=opt.early_start, begun=opt.last_step_stats.early_buckets[0],
+                warnings=sum("early start turned off" in str(w.message) for w in caught))
+
+
+@pytest.mark.parametrize("layout,dtype", [("ddp", torch.float32), ("ddp", torch.bfloat16), ("fsdp", torch.float32)])
+def test_accumulating_entered_on_one_rank_only_neither_hangs_nor_changes_a_bit(layout, dtype):
+    """(FSDP2 adds a second reduced gradient into param.grad after its hook has run, so there
+    the step redoes the work and early start turns off, as when every rank enters
+    accumulating(); set_requires_gradient_sync(False) is FSDP2's way to accumulate.)"""
+    ons, offs = (run_on_ranks(2, _held_back_on_one_rank, early, layout, dtype) for early in (True, False))
+    for on, off in zip(ons, offs):
+        if layout == "ddp":
+            assert on["status"] == "on" and on["warnings"] == 0 and on["begun"] >= 1
+        for name, value in off["params"].items():
+            assert torch.equal(on["params"][name], value) and torch.equal(value, offs[0]["params"][name]), name

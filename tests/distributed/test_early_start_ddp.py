@@ -146,7 +146,9 @@ def _register(case: str) -> None:
     # "other ranks": each rank's DDP model reduces over that rank alone, the optimizer over both
     alone, _ = dist.new_subgroups(1) if case == "other ranks" else (None, None)
     model = DistributedDataParallel(tiny_mlp(), process_group=alone)
-    opt = dmuon.Muon(model)
+    opt = dmuon.Muon(model.module if case == "other ranks" else model)
+    if case == "none of its parameters":
+        opt.register_ddp_comm_hook(DistributedDataParallel(tiny_mlp()))
     if case == "their hook":
         model.register_comm_hook(None, allreduce_hook)
     opt.register_ddp_comm_hook(model.module if case == "not DDP" else model)
@@ -158,6 +160,8 @@ def _register(case: str) -> None:
     ("not DDP", r"TypeError: register_ddp_comm_hook needs a DistributedDataParallel model, got Sequential"),
     ("twice", r"ValueError: register_ddp_comm_hook was called before"),
     ("their hook", r"RuntimeError: .*register_comm_hook .*once"),
+    ("none of its parameters", r"ValueError: register_ddp_comm_hook: the DDP model \(Sequential\) holds none of "
+                               r"this optimizer's Muon parameters \(such as 'module\.0\.weight'\)"),
 ])
 def test_register_ddp_comm_hook_misuse_raises_on_every_rank(case, pattern):
     from tests.helpers import assert_same_error, error_of
@@ -172,7 +176,8 @@ def test_register_ddp_comm_hook_with_a_ddp_model_over_other_ranks_raises_on_ever
 
     for rank, error in enumerate(run_on_ranks(2, error_of, _register, "other ranks")):
         assert error == (f"ValueError: The DDP model reduces over ranks [{rank}], this optimizer works over ranks "
-                         "[0, 1]: pass the DDP model's process group to dmuon.Muon(process_group=...).")
+                         "[0, 1]: build the optimizer from the DDP model (dmuon.Muon(ddp_model)) or pass its "
+                         "process_group.")
 
 
 def _a_second_optimizer_for_the_same_ddp_model() -> dict:
@@ -265,3 +270,29 @@ def test_where_early_start_cannot_run_the_step_plans_in_the_cost_order():
         buckets = result["buckets"]
         assert buckets["cost"] != buckets["early"]  # the two orders differ for this model
         assert buckets["before"] == buckets["cost"] and buckets["default"] == buckets["early"]
+
+
+def _registered_on_rank_0_only() -> dict:
+    """register_ddp_comm_hook on rank 0 only: it is local (DDP's reduction on both ranks issues
+    one all-reduce per bucket), and the next step refuses on every rank before anything moves."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.helpers import error_of
+
+    model = DistributedDataParallel(tiny_mlp(), bucket_cap_mb=0.005)
+    opt = dmuon.Muon(model, lr=0.02, early_start=True)
+    if dist.get_rank() == 0:
+        opt.register_ddp_comm_hook(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(8, 32)).square().mean().backward()
+    return dict(error=error_of(opt.step), unchanged=all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+
+
+def test_register_ddp_comm_hook_on_one_rank_only_is_refused_at_the_next_step_on_every_rank():
+    from tests.helpers import assert_same_error
+
+    results = run_on_ranks(2, _registered_on_rank_0_only)
+    assert_same_error([r["error"] for r in results], r"ValueError: Ranks disagree on the optimizer configuration: "
+                      r"register_ddp_comm_hook called is True on rank 0 but False on rank 1\.")
+    assert all(r["unchanged"] for r in results)
