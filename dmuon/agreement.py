@@ -325,13 +325,15 @@ def _raise_for_replicas(params: Sequence[Tensor], replicas: Sequence[bool], ever
     mine = [n if g is not None else None for n, g in zip(norms, grads)]
     everyone = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode(), process_group, device)]
     ranks = dist.get_process_group_ranks(process_group)
-    for k, i in enumerate(positions):  # noqa: B007 - i names the parameter after the loop
+
+    def spread(k: int) -> tuple[tuple[int, float], tuple[int, float]]:
+        """(rank, norm) of the lowest and the highest norm of replica ``k``."""
         seen = [(ranks[r], norms_of[k]) for r, norms_of in enumerate(everyone) if norms_of[k] is not None]
-        low, high = min(seen, key=lambda rn: rn[1]), max(seen, key=lambda rn: rn[1])
-        if high[1] - low[1] > REPLICA_RTOL * abs(high[1]):
-            break
-    else:
-        low, high, i = (ranks[0], float("nan")), (ranks[-1], float("nan")), positions[0]
+        return min(seen, key=lambda rn: rn[1]), max(seen, key=lambda rn: rn[1])
+
+    spreads = [(i, *spread(k)) for k, i in enumerate(positions)]
+    # the first replica that differs (only the sums may have, by rounding at the tolerance's edge)
+    i, low, high = next((s for s in spreads if s[2][1] - s[1][1] > REPLICA_RTOL * abs(s[2][1])), spreads[0])
     raise ValueError(
         f"Muon parameter {every[i]!r} is a plain tensor, which dmuon takes for a replica held whole on every rank "
         f"of its process group (ranks {ranks}), but its gradient differs between them (norm {low[1]:.6g} on rank "
