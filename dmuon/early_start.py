@@ -26,11 +26,13 @@ outside ``Muon.accumulating()``, the layouts' ``no_sync()`` or FSDP2's
 ``set_requires_gradient_sync(False)``, which keep earlier micro-batches from starting anything),
 clipping or unscaling between ``backward()`` and ``step()`` — makes the step run as without
 early start, and early start turns itself off with a warning, since it would only repeat work.
-A change is found by the gradient's version counter, or where that stays as it was (GradScaler's
-unscaling, foreach ops on DTensors such as ``clip_grad_norm_``'s, writes through ``.data``) by
-its :func:`~dmuon.tensors.digest` (the sums of its bits and of its values), which a change of
-one element or a scaling moves; a change that keeps both (a permutation of a gradient's
-elements through ``.data``) would escape it.
+A change is found by the gradient's version counter where the gradient has its memory to itself
+(views of one buffer share a counter, so FSDP2's gradients, views of one reduce-scatter output,
+count each other's accumulation), and always by its :func:`~dmuon.tensors.digest` (the sums of
+its bits and of its values), which sees what the counter does not (GradScaler's unscaling,
+foreach ops on DTensors such as ``clip_grad_norm_``'s, writes through ``.data``): a change of one
+element or a scaling moves it; a change that keeps both sums (a permutation of a gradient's
+elements, in place in a shared buffer or through ``.data``) would escape it.
 
 Memory: the held updates are one tensor per Muon parameter (this rank's piece), as large as the
 momentum; with the momentum, the state is then AdamW's two tensors per parameter.
@@ -85,7 +87,7 @@ from dmuon.step_plan import StepPlan
 from dmuon.step_values import StepValues
 from dmuon.strategies.base import Context
 from dmuon.strategies.planned import PlannedExchange
-from dmuon.tensors import digest, local, same_bits_each
+from dmuon.tensors import digest, local, owns_its_memory, same_bits_each
 
 # what each rank's run can be used for at step() (the ranks agree on the highest)
 USED, NOT_USED, CHANGED = 0, 1, 2
@@ -347,9 +349,9 @@ class _Run:
             if buf is None or p.grad is None or read.grad is None:
                 code = max(code, NOT_USED)
                 continue
-            if local(read.grad)._version != read.grad_version:
-                return CHANGED
             now, then = local(p.grad), local(read.grad)
+            if then._version != read.grad_version and owns_its_memory(then):
+                return CHANGED  # (a view of a shared buffer counts its neighbours' writes too: the digest decides)
             if now.data_ptr() == then.data_ptr():  # the tensor read, or (DDP's bucket views) its memory
                 digests.append((digest(now), read.grad_digest))
             else:

@@ -122,8 +122,11 @@ class Muon(torch.optim.Optimizer):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Muon:
-        # an option from another optimizer gets a pointer to dmuon's, not Python's bare TypeError
+        # an option from another optimizer gets a pointer to dmuon's, not Python's bare TypeError;
+        # a subclass whose __init__ takes **kwargs passes them on, or uses them itself: its business
         options = inspect.signature(cls.__init__).parameters
+        if any(o.kind is inspect.Parameter.VAR_KEYWORD for o in options.values()):
+            return super().__new__(cls)
         unknown = [k for k in kwargs if k not in options]
         if unknown:
             raise TypeError(unexpected_option_message(cls.__name__, unknown[0], [o for o in options if o != "self"]))

@@ -48,6 +48,17 @@ def check_params_type(params: Any) -> None:
                         f"{type(params).__name__}.")
 
 
+def check_listed_once(entries: Sequence[Entry], where: str) -> None:
+    """Raise a ValueError naming a parameter that ``entries`` list twice (torch only warns)."""
+    first: dict[int, int] = {}
+    for i, (name, p) in enumerate(entries):
+        j = first.setdefault(id(p), i)
+        if j != i:
+            label = repr(name) if name is not None else f"of shape {tuple(p.shape)}"
+            raise ValueError(f"Parameter {label} is listed twice{where} (positions {j} and {i}): list each "
+                             "parameter once.")
+
+
 def build_group(param_group: dict[str, Any], defaults: dict[str, Any], index: int, roles: dict[int, str],
                 names_from: Callable[[list[Entry], str], list[Entry]] | None) -> dict[str, Any]:
     """The stored form of the user's ``param_group`` (the ``index``-th group), validated.
@@ -75,6 +86,7 @@ def build_group(param_group: dict[str, Any], defaults: dict[str, Any], index: in
     entries = named_entries(param_group, where)
     if entries and entries[0][0] is None and names_from is not None:
         entries = names_from(entries, where)
+    check_listed_once(entries, where)
     group = {k: v for k, v in param_group.items() if k in ("name", "initial_lr") or k in MUON_KEYS}
     for key in MUON_KEYS:
         group.setdefault(key, defaults[key])
@@ -404,14 +416,15 @@ def validate_groups(groups: Sequence[dict[str, Any]]) -> None:
 
 # The hyperparameters a torch.optim.Muon param group stores that mean the same in dmuon.
 TORCH_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+_TORCH_MUON_MARKS = ("ns_coefficients", "ns_steps", "adjust_lr_fn")  # in its groups, in no other torch optimizer's
 
 
 def is_torch_muon_state_dict(state_dict: Any) -> bool:
-    """Whether ``state_dict`` is ``torch.optim.Muon``'s: groups with its hyperparameters and none
-    of dmuon's routing."""
+    """Whether ``state_dict`` is ``torch.optim.Muon``'s: groups with some of its Newton–Schulz
+    hyperparameters and none of dmuon's routing (:func:`from_torch_muon` names any it lacks)."""
     saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     return bool(saved) and isinstance(saved, list) and all(
-        isinstance(g, dict) and "ns_coefficients" in g and "algorithms" not in g for g in saved)
+        isinstance(g, dict) and "algorithms" not in g and any(k in g for k in _TORCH_MUON_MARKS) for g in saved)
 
 
 def from_torch_muon(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -425,7 +438,11 @@ def from_torch_muon(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]
                          f"{len(groups)}: build dmuon.Muon with the same groups of the same parameters.")
     converted_groups, converted_state = [], {}
     for g, (saved, mine) in enumerate(zip(saved_groups, groups)):
-        keys = saved.get("params", [])
+        missing = [k for k in (*TORCH_MUON_KEYS, "params") if k not in saved]
+        if missing:
+            raise ValueError(f"Param group {g} of the torch.optim.Muon state dict lacks {missing} (torch.optim.Muon "
+                             f"saves {', '.join(TORCH_MUON_KEYS)} and params in each group).")
+        keys = saved["params"]
         if len(keys) != len(mine["params"]):
             raise ValueError(f"Param group {g} of the torch.optim.Muon state dict has {len(keys)} parameters, this "
                              f"optimizer's {len(mine['params'])}.")
@@ -438,7 +455,7 @@ def from_torch_muon(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]
             if "momentum_buffer" in state.get(key, {}):
                 converted_state[key] = {"momentum_buffer": state[key]["momentum_buffer"]}
         group = {k: v for k, v in mine.items() if k != "params"}
-        group.update({k: saved[k] for k in TORCH_MUON_KEYS if k in saved}, params=list(keys))
+        group.update({k: saved[k] for k in TORCH_MUON_KEYS}, params=list(keys))
         converted_groups.append(group)
     return {"state": converted_state, "param_groups": converted_groups}
 

@@ -37,6 +37,12 @@ def same_bits_each(*pair_lists: Sequence[tuple[Tensor, Tensor]]) -> list[bool]:
     return [not (next(read) if isinstance(d, Tensor) else d) for d in differs]
 
 
+def owns_its_memory(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is the whole of its storage (not a view into a larger buffer, whose
+    other views share its version counter)."""
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from dmuon.agreement import agreed_call
 from dmuon.exchange import default_device
+from dmuon.layout import owned_by
 from dmuon.orthogonalization import newton_schulz_flops, resolve_config
 from dmuon.owner.layer import Groups, storage_bytes
 from dmuon.owner.sharding import OwnerSharding
@@ -101,6 +102,9 @@ def plan_setup(model: nn.Module, params: Iterable[nn.Parameter] | None, layers: 
                 raise ValueError(f"A parameter of shape {tuple(p.shape)} in params is not a parameter of the model.")
             chosen.append(named[id(p)])
     for name, p in chosen:
+        if owned_by(p) is not None:
+            raise ValueError(f"Parameter {name!r} is owner-sharded already: shard_by_owner ran on this model before "
+                             "(shard a model once; its OwnerSharding is the one to use).")
         if not isinstance(p, nn.Parameter) or type(p.data) is not Tensor:
             raise ValueError(f"Parameter {name!r} is a {type(p.data).__name__}: shard_by_owner needs plain "
                              "tensors (call it before fully_shard).")

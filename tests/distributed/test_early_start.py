@@ -586,12 +586,35 @@ def _held_back_on_one_rank(early_start: bool, layout: str, dtype: torch.dtype) -
 
 @pytest.mark.parametrize("layout,dtype", [("ddp", torch.float32), ("ddp", torch.bfloat16), ("fsdp", torch.float32)])
 def test_accumulating_entered_on_one_rank_only_neither_hangs_nor_changes_a_bit(layout, dtype):
-    """(FSDP2 adds a second reduced gradient into param.grad after its hook has run, so there
-    the step redoes the work and early start turns off, as when every rank enters
-    accumulating(); set_requires_gradient_sync(False) is FSDP2's way to accumulate.)"""
     ons, offs = (run_on_ranks(2, _held_back_on_one_rank, early, layout, dtype) for early in (True, False))
     for on, off in zip(ons, offs):
-        if layout == "ddp":
-            assert on["status"] == "on" and on["warnings"] == 0 and on["begun"] >= 1
+        assert on["status"] == "on" and on["warnings"] == 0 and on["begun"] >= 1
         for name, value in off["params"].items():
             assert torch.equal(on["params"][name], value) and torch.equal(value, offs[0]["params"][name]), name
+
+
+def _fsdp_zeroed_in_place(early_start: bool, dtype: torch.dtype) -> dict:
+    """Three steps of the MLP under FSDP2, its gradients zeroed in place (zero_grad(set_to_none=
+    False)): FSDP2 then adds each reduced gradient into one view of a shared buffer, which moves
+    the version counter of every other view, though their values stay as the run read them."""
+    model = tiny_mlp(dtype=dtype)
+    _fully_shard_each(model)
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * dtype.itemsize, early_start=early_start)
+    torch.manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad(set_to_none=False)
+            model(torch.randn(8, 32, dtype=dtype)).square().mean().backward()
+            opt.step()
+    return dict(params=whole_params(model), status=opt.early_start,
+                warnings=sum("early start turned off" in str(w.message) for w in caught))
+
+
+@pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16)])
+def test_fsdp2_gradients_zeroed_in_place_keep_early_start_on_and_the_bits(world, dtype):
+    ons, offs = (run_on_ranks(world, _fsdp_zeroed_in_place, early, dtype) for early in (True, False))
+    for on, off in zip(ons, offs):
+        assert on["status"] == "on" and on["warnings"] == 0
+        for name, value in off["params"].items():
+            assert torch.equal(on["params"][name], value), name

@@ -320,6 +320,10 @@ def test_bad_arguments_are_named():
         dmuon.shard_by_owner(model, params=[model[0].bias])
     with pytest.raises(ValueError, match="in two layers"):
         dmuon.shard_by_owner(model, layers=[model, model[0]])
+    dmuon.shard_by_owner(model)
+    with pytest.raises(ValueError, match="Parameter '0.weight' is owner-sharded already: shard_by_owner ran on this "
+                                         "model before"):
+        dmuon.shard_by_owner(model)
 
 
 class Checkpointed(nn.Module):

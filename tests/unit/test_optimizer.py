@@ -291,3 +291,34 @@ def test_an_optimizer_built_on_the_meta_device_follows_to_empty():
     set_random_grads(bare.parameters(), 0)
     with pytest.raises(ValueError, match="'weight' is still on the meta device.*Build the optimizer after"):
         opt.step()
+
+
+def test_a_subclass_that_passes_its_keyword_arguments_on_is_built_and_steps():
+    """As PyTorch's optimizer tests and frameworks subclass optimizers: ``**kwargs`` forwarded."""
+    class Forwarding(dmuon.Muon):
+        def __init__(self, params, **kwargs):
+            self.tag = kwargs.pop("tag", None)
+            super().__init__(params, **kwargs)
+
+    net = make_net()
+    opt = Forwarding(net, lr=0.01, weight_decay=0.0, tag="mine")
+    assert opt.tag == "mine" and opt.param_groups[0]["lr"] == 0.01
+    set_random_grads(list(net.parameters()), 0)
+    opt.step()
+
+    class Explicit(dmuon.Muon):
+        def __init__(self, params, lr=1e-3):
+            super().__init__(params, lr=lr)
+
+    with pytest.raises(TypeError, match="betas"):  # without **kwargs: dmuon's message, naming its option
+        Explicit(make_net(), betas=(0.9, 0.95))
+
+
+def test_a_parameter_listed_twice_is_named():
+    net = make_net()
+    with pytest.raises(ValueError, match=r"Parameter 'hidden.weight' is listed twice in param group 0 \(positions "
+                                         r"0 and 2\)"):
+        dmuon.Muon([{"params": [net.hidden.weight, net.lm_head.weight, net.hidden.weight],
+                     "param_names": ["hidden.weight", "lm_head.weight", "hidden.weight"], "algorithm": "muon"}])
+    with pytest.raises(ValueError, match=r"Parameter of shape \(\d+, \d+\) is listed twice in param group 0"):
+        dmuon.Muon([{"params": [net.hidden.weight, net.hidden.weight], "algorithm": "muon"}])

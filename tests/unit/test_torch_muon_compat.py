@@ -168,3 +168,13 @@ def test_every_torch_argument_is_accepted_and_every_other_default_is_in_the_migr
     for name, default in torch_defaults.items():
         if ours[name].default != default:
             assert f"`{name}`" in guide, name
+
+
+@pytest.mark.parametrize("missing", ["ns_coefficients", "eps", "lr"])
+def test_a_torch_muon_state_dict_missing_a_key_is_told_which(missing):
+    _, torch_opt = train_torch_muon()
+    saved = copy.deepcopy(torch_opt.state_dict())
+    del saved["param_groups"][0][missing]
+    opt = dmuon.Muon([{"params": matrices(), "algorithm": "muon"}])
+    with pytest.raises(ValueError, match=rf"Param group 0 of the torch.optim.Muon state dict lacks \['{missing}'\]"):
+        opt.load_state_dict(saved)
