@@ -107,6 +107,7 @@ from dmuon.orthogonalization import NAMED_COEFFICIENTS, native_bf16, orthogonali
 from dmuon.owner import OwnerSharding, shard_by_owner
 from dmuon.tools.cli import (
     UsageError,
+    check_fits,
     check_plot,
     check_seq_len,
     name_list,
@@ -117,7 +118,8 @@ from dmuon.tools.cli import (
     positive_int,
 )
 from dmuon.tools.demo import CONFIGS as OPTIMIZERS
-from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config, param_count
+from dmuon.tools.hardware import available_memory
+from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config, param_count, training_bytes
 
 # The default run (module docstring); the CUDA default adds early start off and owner sharding
 CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon")
@@ -940,7 +942,27 @@ def check_arguments(args: argparse.Namespace) -> None:
         if args.world_size > visible:
             raise UsageError("--world-size", f"invalid value {args.world_size}: --device cuda runs one rank per "
                                              f"GPU, and {visible} are visible")
+    check_memory(args)
     check_plot(args.plot)
+
+
+def check_memory(args: argparse.Namespace) -> None:
+    """Refuse a run whose ranks would not fit in memory (each holds every configuration's model
+    in the timed rounds): on CPU all ranks in this machine's, on CUDA each in its GPU's."""
+    def needed(layers: int | None, batch_size: int = 4, tokens_per_step: int | None = None) -> tuple[int, int]:
+        config = get_config(args.preset, **({"n_layers": layers} if layers else {}))
+        sequences = tokens_per_step // (ranks * args.seq_len) if tokens_per_step else batch_size
+        params, activations = training_bytes(config, sequences, args.seq_len, models=len(args.configs))
+        return (params, activations) if args.device == "cuda" else (ranks * params, ranks * activations)
+
+    ranks = args.world_size
+    batch = ("--tokens-per-step", (args.tokens_per_step, None)) if args.tokens_per_step else \
+        ("--batch-size", (args.batch_size, 4))
+    options = dict([("--layers", (args.layers, None)), batch])
+    if args.device == "cuda":
+        check_fits(needed, options, torch.cuda.mem_get_info(0)[1], "on one GPU")
+    else:
+        check_fits(needed, options, available_memory(), f"here for {ranks} ranks")
 
 
 def model_summary(args: argparse.Namespace) -> str:

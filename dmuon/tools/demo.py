@@ -23,9 +23,17 @@ import torch
 from torch import nn
 
 import dmuon
-from dmuon.tools.cli import check_seq_len, name_list, non_negative_float, output_path, positive_float, positive_int
-from dmuon.tools.hardware import OtherJobsCpu, machine_cores
-from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config
+from dmuon.tools.cli import (
+    check_fits,
+    check_seq_len,
+    name_list,
+    non_negative_float,
+    output_path,
+    positive_float,
+    positive_int,
+)
+from dmuon.tools.hardware import OtherJobsCpu, available_memory, machine_cores
+from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config, training_bytes
 
 OptimizerFactory = Callable[[Llama, float, float], list[torch.optim.Optimizer]]
 """Builds the optimizer(s) of one configuration from ``(model, lr, weight_decay)``."""
@@ -223,6 +231,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     """What spans several arguments, checked before any training starts."""
     check_seq_len(args.seq_len, args.preset, PRESETS[args.preset].max_seq_len)
+    def needed(preset: str, batch_size: int) -> tuple[int, int]:
+        return training_bytes(get_config(preset), batch_size, args.seq_len)
+
+    check_fits(needed, {"--preset": (args.preset, "demo"), "--batch-size": (args.batch_size, 16)}, available_memory())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -350,6 +350,18 @@ def _processes() -> list[tuple[int, int, float]]:
     return found
 
 
+def available_memory() -> int | None:
+    """Bytes of memory new processes can have here (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def machine_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

@@ -134,6 +134,19 @@ def param_count(config: LlamaConfig) -> int:
     return embeddings + config.n_layers * block + d  # final norm
 
 
+def training_bytes(config: LlamaConfig, sequences: int, seq_len: int, models: int = 1) -> tuple[int, int]:
+    """A lower bound on the memory one process needs to train ``models`` copies of
+    ``Llama(config)`` in fp32 on a batch of ``sequences`` × ``seq_len`` tokens, as (bytes of the
+    parameters: weights, gradients and at least one optimizer state, 12 per parameter; bytes of
+    the activations autograd keeps for one batch: per token and layer at least 4·dim +
+    4·ffn_dim floats (the norms' inputs and outputs, the MLP's four ffn-wide tensors), and two
+    floats per vocabulary entry for the log-softmax and its gradient). The command line refuses
+    what is over the machine's memory before it starts."""
+    tokens = sequences * seq_len
+    per_token = config.n_layers * (4 * config.dim + 4 * config.ffn_dim) + 2 * config.vocab_size
+    return 12 * param_count(config) * models, 4 * tokens * per_token
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)

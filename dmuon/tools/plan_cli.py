@@ -37,6 +37,7 @@ CPU_MEASURE_MAX_PARAMS = 200_000_000  # largest model of which `--hardware cpu` 
 # The plan keeps a few kB per rank (measured: 0.42 GB and 8 s at 4096 ranks, 0.68 GB and 13 s at
 # 32768 for llama-3.1-8b on a 2-core EPYC); a million ranks would need about 9 GB.
 MAX_WORLD_SIZE = 65536
+MAX_LAYERS = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +85,9 @@ def _model_config(spec: str, layers: int | None) -> LlamaConfig:
 def check_arguments(args: argparse.Namespace) -> None:
     """Check what spans several arguments before measuring or predicting anything, and fill in
     ``args.config`` (the model), ``args.seq_len`` and ``args.tokens_per_step`` where not given."""
+    if args.layers is not None and args.layers > MAX_LAYERS:
+        raise UsageError("--layers", f"invalid value {args.layers}: at most {MAX_LAYERS} (the deepest models have "
+                                     "about 130; the simulation's time grows with the layers)")
     if args.world_size > MAX_WORLD_SIZE:
         raise UsageError("--world-size", f"invalid value {args.world_size}: at most {MAX_WORLD_SIZE} (the plan "
                                          "keeps a few kB per rank)")

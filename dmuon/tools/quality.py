@@ -45,6 +45,7 @@ import torch
 
 from dmuon.tools.cli import (
     UsageError,
+    check_fits,
     check_plot,
     name_list,
     non_negative_float,
@@ -53,7 +54,8 @@ from dmuon.tools.cli import (
     positive_int,
 )
 from dmuon.tools.demo import CONFIGS, OptimizerFactory
-from dmuon.tools.models import Llama, LlamaConfig, param_count
+from dmuon.tools.hardware import available_memory
+from dmuon.tools.models import Llama, LlamaConfig, param_count, training_bytes
 
 VOCAB_SIZE = 256  # byte-level tokens
 HEAD_DIM = 32
@@ -442,6 +444,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     """
     if args.dim % HEAD_DIM:
         raise UsageError("--dim", f"invalid value {args.dim}: must be a multiple of {HEAD_DIM} (the head width)")
+    def needed(dim: int, layers: int, batch_size: int) -> tuple[int, int]:
+        return training_bytes(model_config(dim, layers, args.seq_len), batch_size, args.seq_len)
+
+    check_fits(needed, {"--dim": (args.dim, 64), "--layers": (args.layers, 4), "--batch-size": (args.batch_size, 16)},
+               available_memory())
     check_plot(args.plot)
     corpus = load_corpus(args.corpus)
     for side, text in (("training", corpus.train), ("validation", corpus.val)):

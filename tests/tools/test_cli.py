@@ -20,6 +20,7 @@ import dmuon.tools.bench
 import dmuon.tools.demo
 import dmuon.tools.hardware
 import dmuon.tools.plan_cli
+import dmuon.tools.quality
 from dmuon.tools.cli import main
 from dmuon.tools.hardware import PROFILES, OneRankSeconds
 
@@ -91,7 +92,55 @@ BAD_INPUTS = [
     (["demo", "--seq-len", "0"], "--seq-len", "0"),
     (["demo", "--seq-len", "1000"], "--seq-len", "max_seq_len 512"),
     (["demo", "--threads", "0"], "--threads", "0"),
+    (["plan", "--layers", "1000000"], "--layers", "at most 1024"),  # refused at once, not after minutes
 ]
+
+# runs larger than memory: refused before anything starts, naming the option (here 8 GiB are free)
+TOO_LARGE = [
+    (["bench", "--batch-size", "1000000000"], "--batch-size"),
+    (["bench", "--layers", "100000"], "--layers"),
+    (["bench", "--preset", "bench", "--tokens-per-step", "25600000000"], "--tokens-per-step"),
+    (["quality", "--layers", "100000"], "--layers"),
+    (["quality", "--dim", "65536"], "--dim"),
+    (["demo", "--batch-size", "100000000"], "--batch-size"),
+]
+
+
+@pytest.mark.parametrize(("argv", "option"), TOO_LARGE, ids=[" ".join(a) for a, _ in TOO_LARGE])
+def test_a_run_larger_than_memory_is_refused_before_it_starts(argv, option, capsys, monkeypatch):
+    for module in (dmuon.tools.bench, dmuon.tools.demo, dmuon.tools.quality):
+        monkeypatch.setattr(module, "available_memory", lambda: 8 * 2**30)
+    last = rejects(argv, capsys).strip().splitlines()[-1]
+    assert f"argument {option}: " in last and "more than the 8.0 GiB available here" in last, last
+
+
+def test_the_memory_floor_is_below_what_a_training_step_holds():
+    """The floor that refuses runs (12 bytes per parameter, a few floats per token) is under
+    what a step of the tiny Llama really holds: its parameters, gradients and AdamW's state,
+    and the activations autograd saves (counted by a saved-tensors hook, parameters left out)."""
+    from dmuon.tools.models import Llama, get_config, training_bytes
+
+    config = get_config("tiny")
+    model = Llama(config)
+    opt = torch.optim.AdamW(model.parameters())
+    weights = {p.data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.data_ptr() not in weights:
+            saved[t.data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randint(0, config.vocab_size, (4, 64))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.loss(x, x)
+    loss.backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *(p.grad for p in model.parameters()),
+                                                        *(v for s in opt.state.values() for v in s.values())])
+    parameters, activations = training_bytes(config, 4, 64)
+    assert parameters <= held and activations <= sum(saved.values()), (parameters, held, activations, saved)
+
 
 
 @pytest.mark.parametrize(("argv", "option", "detail"), BAD_INPUTS, ids=[" ".join(a) for a, _, _ in BAD_INPUTS])
