@@ -118,7 +118,7 @@ from dmuon.tools.cli import (
     positive_int,
 )
 from dmuon.tools.demo import CONFIGS as OPTIMIZERS
-from dmuon.tools.hardware import available_memory
+from dmuon.tools.hardware import available_memory, gpu_memory
 from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config, param_count, training_bytes
 
 # The default run (module docstring); the CUDA default adds early start off and owner sharding
@@ -960,7 +960,7 @@ def check_memory(args: argparse.Namespace) -> None:
         ("--batch-size", (args.batch_size, 4))
     options = dict([("--layers", (args.layers, None)), batch])
     if args.device == "cuda":
-        check_fits(needed, options, torch.cuda.mem_get_info(0)[1], "on one GPU")
+        check_fits(needed, options, gpu_memory(), "on one GPU")
     else:
         check_fits(needed, options, available_memory(), f"here for {ranks} ranks")
 

@@ -362,6 +362,14 @@ def available_memory() -> int | None:
     return None
 
 
+def gpu_memory(index: int = 0) -> int | None:
+    """Bytes of memory of CUDA device ``index``, or None where it cannot be read."""
+    try:
+        return torch.cuda.get_device_properties(index).total_memory
+    except (AssertionError, RuntimeError):
+        return None
+
+
 def machine_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
