@@ -1,10 +1,13 @@
 """``dmuon demo``: AdamW vs torch.optim.Muon vs dmuon.Muon, side by side on one CPU.
 
 Every configuration trains the same model (same preset, same seed, hence the
-same initial weights) on the same synthetic batches, so the differences in loss
-and in time come from the optimizer alone. Only ``optimizer.step()`` is in the
-"opt step" column; the "step" column is forward + backward + step (the data is
-generated outside the timed region).
+same initial weights) on the same synthetic batches, each at the learning rate
+the migration guide recommends for it: AdamW at ``--lr``, the two Muons at
+``--muon-lr-multiple`` times it (Muon's best lr lies several times above
+AdamW's; docs/migration.md). Only ``optimizer.step()`` is in the "opt step"
+column; the "step" column is forward + backward + step (the data is generated
+outside the timed region). The last line is the verdict: dmuon's loss against
+the others' (lower is better), and what its step costs beside theirs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dmuon.tools.cli import (
     positive_float,
     positive_int,
 )
+from dmuon.tools.corpus import VOCAB_SIZE, load_corpus, train_batch
 from dmuon.tools.hardware import OtherJobsCpu, available_memory, machine_cores
 from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config, training_bytes
 
@@ -81,6 +85,11 @@ CONFIGS: dict[str, OptimizerFactory] = {
 }
 
 
+# the configurations that train with Muon, at --muon-lr-multiple times --lr
+MUON_CONFIGS = ("torch-muon", "dmuon")
+DEFAULT_MUON_LR_MULTIPLE = 4.0  # docs/migration.md: Muon's best lr was 4-8x AdamW's; 4x leads
+
+
 @dataclass(frozen=True)
 class RunResult:
     """Outcome of one configuration; also the ``--json`` record."""
@@ -90,6 +99,7 @@ class RunResult:
     final_loss: float  # mean training loss over the last few steps
     opt_step_ms: float  # median time of optimizer.step() alone
     step_ms: float  # median time of forward + backward + optimizer.step()
+    lr: float = math.nan  # the learning rate it trained at
 
 
 def train(
@@ -103,26 +113,31 @@ def train(
     batch_size: int,
     seq_len: int,
     seed: int,
+    text: torch.Tensor | None = None,
     loss_window: int = 10,
     progress: TextIO | None = None,
 ) -> RunResult:
-    """Train ``Llama(preset, seed)`` on ``SyntheticTokens(seed)`` with one optimizer configuration.
+    """Train ``Llama(preset, seed)`` with one optimizer configuration on ``text`` (bytes, as
+    :mod:`dmuon.tools.corpus` gives them; the model then has a byte vocabulary) or, without it,
+    on ``SyntheticTokens(seed)``.
 
     ``config`` only labels the result. ``final_loss`` averages the last
     ``loss_window`` steps because a single step's loss is noisy.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    model_config = get_config(preset)
+    model_config = get_config(preset, **({"vocab_size": VOCAB_SIZE} if text is not None else {}))
     model = Llama(model_config, seed=seed)
     optimizers = make_optimizer(model, lr, weight_decay)
-    data = SyntheticTokens(model_config.vocab_size, seed=seed)
+    if text is None:
+        synthetic = SyntheticTokens(model_config.vocab_size, seed=seed)
     losses: list[float] = []
     opt_times: list[float] = []
     step_times: list[float] = []
     began = time.perf_counter()
     for step in range(steps):
-        inputs, targets = data.batch(step, batch_size, seq_len)
+        inputs, targets = train_batch(text, step, batch_size, seq_len, seed) if text is not None else \
+            synthetic.batch(step, batch_size, seq_len)
         start = time.perf_counter()
         model.zero_grad(set_to_none=True)
         loss = model.loss(inputs, targets)
@@ -142,6 +157,7 @@ def train(
         final_loss=statistics.fmean(losses[-loss_window:]),
         opt_step_ms=1e3 * statistics.median(opt_times),
         step_ms=1e3 * statistics.median(step_times),
+        lr=lr,
     )
 
 
@@ -177,10 +193,11 @@ def format_table(results: Sequence[RunResult], baseline: str = "adamw") -> str:
     if not results:
         return ""
     base = next((r for r in results if r.config == baseline), results[0])
-    header = ("config", "steps", "final loss", "opt step ms", f"x {base.config}", "step ms", f"x {base.config}")
+    header = ("config", "lr", "steps", "final loss", "opt step ms", f"x {base.config}", "step ms", f"x {base.config}")
     rows = [header] + [
         (
             r.config,
+            f"{r.lr:g}",
             str(r.steps),
             f"{r.final_loss:.4f}",
             f"{r.opt_step_ms:.2f}",
@@ -199,15 +216,32 @@ def format_table(results: Sequence[RunResult], baseline: str = "adamw") -> str:
     return "\n".join(lines)
 
 
+def verdict(results: Sequence[RunResult], subject: str = "dmuon") -> str:
+    """The line a reader acts on: ``subject``'s final loss against every other configuration's
+    (lower is better), each with the ratio of their whole steps' times."""
+    mine = next((r for r in results if r.config == subject), None)
+    if mine is None or len(results) < 2:
+        return ""
+    against = []
+    for other in results:
+        if other is not mine:
+            gap = mine.final_loss - other.final_loss
+            against.append(f"{abs(gap):.4f} {'below' if gap < 0 else 'above'} {other.config}'s (lr {other.lr:g}) "
+                           f"with a step {mine.step_ms / other.step_ms:.2f}x its")
+    return (f"verdict: {subject} (lr {mine.lr:g}) ended at loss {mine.final_loss:.4f} after {mine.steps} steps: "
+            + "; ".join(against) + ".")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``dmuon demo``; the defaults take about a minute on two free cores with native
     bf16 products, about 5 minutes where bf16 is emulated (torch.optim.Muon's bf16 Newton–Schulz)."""
     parser.add_argument("--steps", type=positive_int, default=200,
                         help="steps per configuration (default: %(default)s)")
     parser.add_argument("--preset", choices=list(PRESETS), default="demo", help="model preset (default: %(default)s)")
-    parser.add_argument(
-        "--lr", type=positive_float, default=3e-3, help="learning rate of all configurations (default: %(default)s)"
-    )
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW's learning rate (default: %(default)s)")
+    parser.add_argument("--muon-lr-multiple", type=positive_float, default=DEFAULT_MUON_LR_MULTIPLE,
+                        help="the Muons' learning rate, as a multiple of --lr; with match_rms_adamw Muon's best lr "
+                             "lies several times above AdamW's (default: %(default)s)")
     parser.add_argument("--weight-decay", type=non_negative_float, default=0.1,
                         help="decoupled weight decay (default: %(default)s)")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step (default: %(default)s)")
@@ -217,6 +251,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads (default: one per core that other jobs leave free, "
                              "measured for half a second)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
+    parser.add_argument("--data", choices=("text", "synthetic"), default="text",
+                        help="text: the bytes of this Python's standard library source (nothing downloaded); "
+                             "synthetic: a seeded Markov chain of tokens (default: %(default)s)")
     parser.add_argument(
         "--configs",
         type=name_list(CONFIGS),
@@ -231,6 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     """What spans several arguments, checked before any training starts."""
     check_seq_len(args.seq_len, args.preset, PRESETS[args.preset].max_seq_len)
+
     def needed(preset: str, batch_size: int) -> tuple[int, int]:
         return training_bytes(get_config(preset), batch_size, args.seq_len)
 
@@ -245,10 +283,13 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         threads, why = default_threads(machine_cores(), others.cores_used)
     torch.set_num_threads(threads)
-    vocab_size = get_config(args.preset).vocab_size
+    text = load_corpus().train if args.data == "text" else None
+    vocab_size = VOCAB_SIZE if text is not None else get_config(args.preset).vocab_size
+    muon_lr = args.lr * args.muon_lr_multiple
+    data = "the standard library's source, byte by byte" if text is not None else "a synthetic Markov chain"
     print(
-        f"preset {args.preset}, {args.steps} steps of {args.batch_size}x{args.seq_len} tokens, lr {args.lr}, "
-        f"weight decay {args.weight_decay}; {why}; "
+        f"preset {args.preset} on {data}, {args.steps} steps of {args.batch_size}x{args.seq_len} tokens, lr "
+        f"{args.lr:g} (AdamW) and {muon_lr:g} (the Muons), weight decay {args.weight_decay}; {why}; "
         f"untrained loss ~ log({vocab_size}) = {math.log(vocab_size):.2f}",
         flush=True,
     )
@@ -258,16 +299,18 @@ def run(args: argparse.Namespace) -> int:
             CONFIGS[name],
             preset=args.preset,
             steps=args.steps,
-            lr=args.lr,
+            lr=muon_lr if name in MUON_CONFIGS else args.lr,
             weight_decay=args.weight_decay,
             batch_size=args.batch_size,
             seq_len=args.seq_len,
             seed=args.seed,
+            text=text,
             progress=sys.stderr,
         )
         for name in args.configs
     ]
     print(format_table(results))
+    print(verdict(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)

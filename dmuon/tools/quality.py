@@ -1,9 +1,9 @@
 """``dmuon quality``: AdamW vs torch.optim.Muon vs dmuon.Muon on real text, validation loss vs step.
 
-``dmuon demo`` trains on a synthetic Markov chain, which says little about how well an optimizer
-trains a language model. This command trains the same Llama-style model on text that every
-machine already has, so that nothing is downloaded: the source of the running Python's standard
-library.
+``dmuon demo`` trains each optimizer once, at one lr, for a quick look. This command sweeps the
+learning rates and measures validation loss, on text that every machine already has, so that
+nothing is downloaded: the source of the running Python's standard library
+(:mod:`dmuon.tools.corpus`).
 
 Method:
 
@@ -39,7 +39,6 @@ import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -53,14 +52,12 @@ from dmuon.tools.cli import (
     positive_float,
     positive_int,
 )
+from dmuon.tools.corpus import VAL_EVERY, VOCAB_SIZE, Batch, Corpus, load_corpus, train_batch, val_batches
 from dmuon.tools.demo import CONFIGS, OptimizerFactory
 from dmuon.tools.hardware import available_memory
 from dmuon.tools.models import Llama, LlamaConfig, param_count, training_bytes
 
-VOCAB_SIZE = 256  # byte-level tokens
 HEAD_DIM = 32
-VAL_EVERY = 20  # every 20th file is validation
-EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 
 # Per optimizer: a sweep around its good region at the default scale. torch-muon and dmuon use
 # adjust_lr_fn="match_rms_adamw", so their lr is on AdamW's scale (and also drives the AdamW
@@ -76,82 +73,6 @@ DEFAULT_LRS: dict[str, tuple[float, ...]] = {
 # Just above AdamW's best final loss in that first sweep (2.33), so that every optimizer can
 # reach it within the default budget and steps to it compare them.
 DEFAULT_TARGET_LOSS = 2.4
-
-
-# ---------------------------------------------------------------------------- the corpus
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """Training and validation bytes (uint8 tensors) and the files each came from."""
-
-    root: str
-    train: torch.Tensor
-    val: torch.Tensor
-    train_files: tuple[str, ...]
-    val_files: tuple[str, ...]
-
-
-def default_corpus_root() -> str:
-    """The running Python's standard library folder."""
-    return sysconfig.get_paths()["stdlib"]
-
-
-def source_files(root: str) -> list[str]:
-    """Relative paths of the ``*.py`` files under ``root``, sorted; without installed packages or
-    the top-level ``test`` package (see the module docstring)."""
-    base = Path(root)
-    paths = []
-    for path in base.rglob("*.py"):
-        parts = path.relative_to(base).parts
-        if EXCLUDED_DIRS.isdisjoint(parts[:-1]) and parts[0] != "test" and path.is_file():
-            paths.append(path.relative_to(base).as_posix())
-    return sorted(paths)
-
-
-def split_files(paths: Sequence[str], val_every: int = VAL_EVERY) -> tuple[list[str], list[str]]:
-    """``(train, val)``: every ``val_every``-th path (the last of each group) is validation."""
-    val = [p for i, p in enumerate(paths) if i % val_every == val_every - 1]
-    train = [p for i, p in enumerate(paths) if i % val_every != val_every - 1]
-    return train, val
-
-
-def _read_bytes(root: str, paths: Sequence[str]) -> torch.Tensor:
-    data = b"".join(Path(root, p).read_bytes() for p in paths)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
-def load_corpus(root: str | None = None) -> Corpus:
-    """The corpus under ``root`` (default: :func:`default_corpus_root`), split into train and val."""
-    root = root or default_corpus_root()
-    train_files, val_files = split_files(source_files(root))
-    return Corpus(root, _read_bytes(root, train_files), _read_bytes(root, val_files),
-                  tuple(train_files), tuple(val_files))
-
-
-# ---------------------------------------------------------------------------- batches
-
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def _windows(text: torch.Tensor, offsets: torch.Tensor, seq_len: int) -> Batch:
-    """``(inputs, targets)`` of the ``seq_len + 1``-byte windows at ``offsets``, as token ids."""
-    window = text[offsets[:, None] + torch.arange(seq_len + 1)].long()
-    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
-
-
-def train_batch(text: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int) -> Batch:
-    """Training batch ``step``: a pure function of its arguments, whatever was drawn before it."""
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**63)
-    offsets = torch.randint(len(text) - seq_len, (batch_size,), generator=generator)
-    return _windows(text, offsets, seq_len)
-
-
-def val_batches(text: torch.Tensor, n_batches: int, batch_size: int, seq_len: int) -> list[Batch]:
-    """The fixed validation set: windows at evenly spaced offsets over all of ``text``."""
-    offsets = torch.linspace(0, len(text) - seq_len - 1, n_batches * batch_size).long()
-    return [_windows(text, chunk, seq_len) for chunk in offsets.split(batch_size)]
 
 
 # ---------------------------------------------------------------------------- training

@@ -164,6 +164,20 @@ def test_cli_demo_runs_every_configuration_end_to_end(tmp_path: Path, capsys: py
         assert record["config"] in stdout
         assert record["steps"] == 2
         assert math.isfinite(record["final_loss"]) and record["opt_step_ms"] > 0 and record["step_ms"] > 0
+        # each at the lr the migration guide recommends: the Muons at 4x AdamW's
+        assert record["lr"] == pytest.approx(3e-3 * (4 if record["config"] in demo.MUON_CONFIGS else 1))
+    assert "on the standard library's source" in stdout
+    assert stdout.strip().splitlines()[-1].startswith("verdict: dmuon (lr 0.012) ended at loss")
+
+
+def test_the_verdict_sets_dmuons_loss_and_step_beside_each_other_configuration() -> None:
+    results = [demo.RunResult("adamw", 200, 2.4775, 3.5, 42.0, 0.003),
+               demo.RunResult("torch-muon", 200, 1.8532, 20.0, 60.0, 0.012),
+               demo.RunResult("dmuon", 200, 1.8669, 11.0, 50.4, 0.012)]
+    assert demo.verdict(results) == ("verdict: dmuon (lr 0.012) ended at loss 1.8669 after 200 steps: 0.6106 below "
+                                      "adamw's (lr 0.003) with a step 1.20x its; 0.0137 above torch-muon's (lr 0.012) "
+                                      "with a step 0.84x its.")
+    assert demo.verdict(results[:1]) == ""  # nothing to compare
 
 
 def test_cli_rejects_unknown_configuration() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmuon.tools import quality
+from dmuon.tools import corpus, quality
 from dmuon.tools.cli import main
 from tests.tools.test_cli import rejects
 
@@ -38,14 +38,14 @@ def small_corpus(tmp_path: Path) -> Path:
 
 
 def test_source_files_are_sorted_and_leave_out_installed_packages_and_tests(small_corpus):
-    paths = quality.source_files(str(small_corpus))
+    paths = corpus.source_files(str(small_corpus))
     assert paths == sorted(paths) and len(paths) == 41
     assert not any(p.startswith(("site-packages/", "dist-packages/", "test/")) or not p.endswith(".py")
                    for p in paths)
 
 
 def test_corpus_is_deterministic_and_its_splits_disjoint(small_corpus):
-    first, second = quality.load_corpus(str(small_corpus)), quality.load_corpus(str(small_corpus))
+    first, second = corpus.load_corpus(str(small_corpus)), corpus.load_corpus(str(small_corpus))
     assert torch.equal(first.train, second.train) and torch.equal(first.val, second.val)
     assert first.val_files == second.val_files and len(first.val_files) == 2  # 41 files, every 20th
     assert not set(first.train_files) & set(first.val_files)
@@ -55,22 +55,22 @@ def test_corpus_is_deterministic_and_its_splits_disjoint(small_corpus):
 
 
 def test_standard_library_corpus_is_bytes_of_python_source():
-    corpus = quality.load_corpus()
-    assert corpus.train.dtype == torch.uint8 and len(corpus.train) > 10**6 and len(corpus.val) > 10**5
-    assert not set(corpus.train_files) & set(corpus.val_files)
-    assert "os.py" in corpus.train_files + corpus.val_files
-    assert int(corpus.train.max()) < quality.VOCAB_SIZE
+    stdlib = corpus.load_corpus()
+    assert stdlib.train.dtype == torch.uint8 and len(stdlib.train) > 10**6 and len(stdlib.val) > 10**5
+    assert not set(stdlib.train_files) & set(stdlib.val_files)
+    assert "os.py" in stdlib.train_files + stdlib.val_files
+    assert int(stdlib.train.max()) < corpus.VOCAB_SIZE
 
 
 def test_batches_are_reproducible_next_byte_windows():
     text = torch.arange(200, dtype=torch.uint8)
-    inputs, targets = quality.train_batch(text, step=3, batch_size=4, seq_len=16, seed=0)
-    again, _ = quality.train_batch(text, step=3, batch_size=4, seq_len=16, seed=0)
-    other, _ = quality.train_batch(text, step=4, batch_size=4, seq_len=16, seed=0)
+    inputs, targets = corpus.train_batch(text, step=3, batch_size=4, seq_len=16, seed=0)
+    again, _ = corpus.train_batch(text, step=3, batch_size=4, seq_len=16, seed=0)
+    other, _ = corpus.train_batch(text, step=4, batch_size=4, seq_len=16, seed=0)
     assert inputs.shape == targets.shape == (4, 16)
     assert torch.equal(inputs, again) and not torch.equal(inputs, other)
     assert torch.equal(targets[:, :-1], inputs[:, 1:]) and torch.equal(targets[:, -1], inputs[:, -1] + 1)
-    val = quality.val_batches(text, n_batches=2, batch_size=3, seq_len=16)
+    val = corpus.val_batches(text, n_batches=2, batch_size=3, seq_len=16)
     starts = [int(b[0][i, 0]) for b in val for i in range(3)]
     assert starts[0] == 0 and starts[-1] == 200 - 17 and starts == sorted(starts)
 
