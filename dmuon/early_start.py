@@ -273,7 +273,8 @@ class _Run:
         gets here at the same hook, the one that completes the first bucket)."""
         if self.group is None:
             return held
-        return all_reduce_max(torch.tensor([float(held)], device=self.device), self.group).item() > 0
+        flag = torch.tensor([float(held)], device=self.device)
+        return all_reduce_max(flag, self.group, self.context.counter).item() > 0
 
     def reduced(self, bucket: Reducing, held: bool = False) -> None:
         """DDP started the all-reduce of ``bucket``: the one it started before is final once its
