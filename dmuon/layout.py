@@ -90,6 +90,9 @@ class OwnerShardingHandle(Protocol):
 
     def notify_final_gradients(self, listener: Callable[[Sequence[Tensor]], None]) -> Any: ...
 
+    @property
+    def process_group(self) -> dist.ProcessGroup | None: ...
+
 
 @dataclass(frozen=True)
 class OwnedParam:
@@ -135,6 +138,65 @@ def counted_here(param: Tensor) -> bool:
         coordinate = param.device_mesh.get_coordinate() or []
         return all(c == 0 for c, p in zip(coordinate, param.placements) if p.is_replicate())
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _groups_of(param: Tensor) -> tuple[tuple[int, ...], list[dist.ProcessGroup]] | None:
+    """The ranks that hold ``param`` (its pieces or copies) and the process groups made for
+    them up front (a DTensor's mesh dimensions, an owner sharding's group); None for a plain
+    tensor, whose ranks are its optimizer's ``process_group``'s."""
+    owned = owned_by(param)
+    if owned is not None:
+        group = owned.sharding.process_group
+        return (tuple(_group_ranks(group)), [group]) if group is not None else ((owned.owner,), [])
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        return tuple(sorted(mesh.mesh.flatten().tolist())), [mesh.get_group(d) for d in range(mesh.ndim)]
+    return None
+
+
+def agreement_group(params: Sequence[tuple[str | None, Tensor]],
+                    process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The process group over which an optimizer of ``params`` agrees: the ranks that share its
+    parameters, not the whole job, so that the optimizers of pipeline stages (or of anything on
+    disjoint ranks) never meet. ``process_group`` (the ranks holding copies of the plain
+    tensors) where given; else the world where a plain tensor is among ``params`` (a replica on
+    every rank); else the group, among those the parameters' meshes and owner shardings were
+    built with (DeviceMesh makes them up front, on every rank at once), whose ranks are all the
+    ranks holding a parameter. None in a single process.
+
+    Raises a ValueError naming a parameter held on ranks ``process_group`` lacks, or where no
+    such group has exactly the ranks holding the parameters (parameters on meshes of different
+    parts of the job, a 2-D mesh over part of it): then pass ``process_group=``.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    held = [(name, tensor, _groups_of(tensor)) for name, tensor in params]
+    if process_group is not None:
+        ranks = set(_group_ranks(process_group))
+        for name, tensor, groups in held:
+            if groups is not None and not set(groups[0]) <= ranks:
+                raise ValueError(f"Invalid process_group: it covers ranks {sorted(ranks)}, but parameter "
+                                 f"{_label(name, tensor)} lives on ranks {list(groups[0])}. Pass a group of every "
+                                 "rank holding the optimizer's parameters (or leave process_group out).")
+        return process_group
+    if not held or any(groups is None for _, _, groups in held):
+        return dist.group.WORLD
+    union = sorted({rank for _, _, (ranks, _) in held for rank in ranks})
+    if union == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    for _, _, (_, groups) in held:
+        for group in groups:
+            if sorted(_group_ranks(group)) == union:
+                return group
+    name, tensor, (ranks, _) = held[0]
+    raise ValueError(f"The optimizer's parameters live on ranks {union} (parameter {_label(name, tensor)} on ranks "
+                     f"{list(ranks)}), part of the job, and none of their meshes has a process group of exactly those "
+                     "ranks. Pass process_group= a group of them, created on every rank of the job at the same point "
+                     "(dist.new_group, or a DeviceMesh dimension made up front).")
+
+
+def _label(name: str | None, tensor: Tensor) -> str:
+    return repr(name) if name is not None else f"of shape {tuple(tensor.shape)}"
 
 
 def _splits_dim0_only(placements: tuple) -> bool:
@@ -206,7 +268,8 @@ def detect_layout(
     raise NotImplementedError(
         f"dmuon.Muon does not support the layout of parameter {name!r}: placements "
         f"{placements} on a {mesh.ndim}-D mesh of ranks {list(mesh_ranks)}. Supported: plain/DDP "
-        "tensors, and DTensors sharded or replicated (not Partial) on a mesh of all ranks."
+        "tensors; DTensors sharded or replicated (not Partial) on a mesh of all ranks; and on a mesh of part "
+        "of them, those exchanged over one mesh dimension (FSDP2, HSDP, 1-D tensor parallel, expert stacks)."
     )
 
 

@@ -27,7 +27,7 @@ from dmuon.early_start import (
 )
 from dmuon.elementwise import adamw_steps, update_momentum_of
 from dmuon.engine import StepStats
-from dmuon.exchange import GroupRef, collective_device, job_group
+from dmuon.exchange import GroupRef, collective_device
 from dmuon.hyperparameters import (
     ROUTE_REASONS,
     EngineOptions,
@@ -35,7 +35,7 @@ from dmuon.hyperparameters import (
     unexpected_option_message,
     validate_defaults,
 )
-from dmuon.layout import owned_by, owner_shardings
+from dmuon.layout import agreement_group, owned_by, owner_shardings
 from dmuon.orthogonalization import NORMALIZATION_EPS, default_dtype_reason
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
 from dmuon.routing import Route, module_roles
@@ -165,7 +165,12 @@ class Muon(torch.optim.Optimizer):
         early_start: bool | None = None,
     ) -> None:
         # first: a failure below is shared with the other ranks; held weakly, like every group dmuon keeps
-        self._process_group = GroupRef(replica_group(params, process_group))
+        replicas = replica_group(params, process_group)
+        self._process_group = GroupRef(replicas)
+        if not isinstance(params, (nn.Module, Tensor, set)):
+            params = list(params)  # read twice: for the ranks that hold them, then to build the groups
+        # the ranks that share the parameters agree, not the whole job (pipeline stages)
+        self._job = GroupRef(agreement_group(param_groups.tensors_in(params), replicas))
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
             eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
@@ -257,6 +262,7 @@ class Muon(torch.optim.Optimizer):
 
         def add() -> Fingerprint:
             self._add_stored(build())
+            self._check_same_ranks()
             return self._fingerprint(self.param_groups)
 
         try:
@@ -265,6 +271,17 @@ class Muon(torch.optim.Optimizer):
             del self.param_groups[before:]
             raise
         self._agreed(fingerprint)
+
+    def _check_same_ranks(self) -> None:
+        """An added group's parameters live on the ranks of the optimizer's: its agreement and
+        exchanges run over those (an optimizer per set of ranks: a pipeline stage's)."""
+        job = self._agreement_group()
+        now = agreement_group(param_groups.all_entries(self.param_groups), self._process_group())
+        if job is not None and now is not None and dist.get_process_group_ranks(now) != \
+                dist.get_process_group_ranks(job):
+            raise ValueError(f"Param group {len(self.param_groups) - 1}'s parameters live on ranks "
+                             f"{dist.get_process_group_ranks(now)}, this optimizer's on ranks "
+                             f"{dist.get_process_group_ranks(job)}: give them an optimizer of their own.")
 
     def _add_stored(self, group: dict[str, Any]) -> None:
         # torch's add_param_group would copy the constructor's defaults into the group, including
@@ -642,4 +659,4 @@ class Muon(torch.optim.Optimizer):
         return collective_device(getattr(self, "param_groups", ()), self._agreement_group())
 
     def _agreement_group(self) -> dist.ProcessGroup | None:
-        return job_group(self._process_group())
+        return self._job()

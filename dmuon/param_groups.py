@@ -48,6 +48,29 @@ def check_params_type(params: Any) -> None:
                         f"{type(params).__name__}.")
 
 
+def tensors_in(params: Any) -> list[Entry]:
+    """(name or None, tensor) of every tensor an optimizer's ``params`` list (a module, tensors,
+    (name, tensor) pairs or groups of them), for what must be known before they are checked
+    (the ranks that hold them); malformed entries are skipped, and refused later."""
+    if isinstance(params, nn.Module):
+        return list(params.named_parameters())
+    def entry(name: Any, item: Any) -> Entry | None:
+        name, tensor = item if isinstance(item, tuple) and len(item) == 2 else (name, item)
+        return (name if isinstance(name, str) else None, tensor) if isinstance(tensor, Tensor) else None
+
+    found: list[Entry | None] = []
+    for item in params if isinstance(params, (list, tuple)) else ():
+        if isinstance(item, dict):
+            inner = item.get("params", [])
+            inner = [inner] if isinstance(inner, Tensor) else inner if isinstance(inner, (list, tuple)) else []
+            names = item.get("param_names")
+            names = names if isinstance(names, (list, tuple)) and len(names) == len(inner) else [None] * len(inner)
+            found += [entry(n, e) for n, e in zip(names, inner)]
+        else:
+            found.append(entry(None, item))
+    return [e for e in found if e is not None]
+
+
 def check_listed_once(entries: Sequence[Entry], where: str) -> None:
     """Raise a ValueError naming a parameter that ``entries`` list twice (torch only warns)."""
     first: dict[int, int] = {}
@@ -257,6 +280,11 @@ def muon_params(groups: Sequence[dict[str, Any]]) -> list[MuonParam]:
 def all_names(groups: Sequence[dict[str, Any]]) -> list[str]:
     """Every parameter's name, in group order (unnamed: ``"group{g}.param{i}"``)."""
     return [n for g, group in enumerate(groups) for n in names_of(group, g)]
+
+
+def all_entries(groups: Sequence[dict[str, Any]]) -> list[Entry]:
+    """(name, tensor) of every parameter, in group order (names as :func:`all_names` gives them)."""
+    return list(zip(all_names(groups), (p for group in groups for p in group["params"])))
 
 
 def label_of(groups: Sequence[dict[str, Any]], group: dict[str, Any]) -> str:

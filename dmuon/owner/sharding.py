@@ -107,6 +107,11 @@ class OwnerSharding:
         return self.ownership.is_mine(param)
 
     @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """Every rank of the sharding (None: a single rank)."""
+        return self.groups.everyone
+
+    @property
     def across_replicas(self) -> bool:
         """HSDP: the gradients go on from each replica's holder to replica 0's, which steps."""
         return self.groups.replica is not None

@@ -1,0 +1,180 @@
+"""Pipeline stages, as users build them: a (pp=2, dp=2) mesh of 4 gloo ranks, each stage a part
+of the model under FSDP2 on the stage's ``mesh["dp"]``, one ``dmuon.Muon`` per stage (per model
+part, two per rank in an interleaved schedule). Each optimizer agrees and exchanges over its
+stage's ranks, never the whole job; trained through ``torch.distributed.pipelining`` (GPipe,
+1F1B, interleaved 1F1B) against one process training the whole model on the global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dmuon
+from tests.harness import run_on_ranks
+from tests.helpers import error_of, single_process
+
+WIDTH, BATCH, STEPS = 16, 8, 3  # BATCH: the global batch, split over the two dp ranks
+HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=torch.float32)
+
+
+def whole_model(layers: int, dtype: torch.dtype) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(layers)]).to(dtype)
+
+
+def batch(step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, WIDTH, generator=g).to(dtype), torch.randn(BATCH, WIDTH, generator=g).to(dtype)
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out.float() - target.float()).square().mean()
+
+
+def one_process(layers: int, dtype: torch.dtype) -> dict:
+    """The whole model on the global batch."""
+    model = whole_model(layers, dtype)
+    opt = dmuon.Muon(model, **HPARAMS)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, dtype)
+        opt.zero_grad()
+        loss = mse(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return dict(losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def staged(schedule: str, layers: int, dtype: torch.dtype) -> dict:
+    """This rank's stages (``layers`` split evenly over 2 pipeline ranks, two stages each with
+    an interleaved schedule), each under FSDP2 on the dp ranks with an optimizer of its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh.get_coordinate()
+    model = whole_model(layers, dtype)
+    per_rank = 2 if schedule == "interleaved" else 1
+    stages, optimizers, parts = [], [], {}
+    for index in (pp, pp + 2) if per_rank == 2 else (pp,):
+        size = layers // (2 * per_rank)
+        names = [str(i) for i in range(index * size, (index + 1) * size)]
+        part = nn.Sequential(*[model.get_submodule(n) for n in names])
+        for block in part:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(part, mesh=mesh["dp"])
+        optimizers.append(dmuon.Muon(part, **HPARAMS))
+        stages.append(PipelineStage(part, index, 2 * per_rank, torch.device("cpu"), group=mesh["pp"].get_group()))
+        parts.update({f"{n}.{k}": p for n, block in zip(names, part) for k, p in block.named_parameters()})
+    if schedule == "interleaved":
+        run = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=mse)
+    else:
+        run = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stages[0], n_microbatches=2, loss_fn=mse)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, dtype)
+        x, y = x.chunk(2)[dp], y.chunk(2)[dp]
+        for opt in optimizers:
+            opt.zero_grad()
+        last = stages[-1].is_last
+        step_losses: list[torch.Tensor] = []
+        if stages[0].is_first:
+            run.step(x, target=y, losses=step_losses) if last else run.step(x)
+        else:
+            run.step(target=y, losses=step_losses)
+        for opt in reversed(optimizers):  # in any order, the same on the stage's ranks
+            opt.step()
+        if last:
+            losses.append(torch.stack(step_losses).mean().item())
+    return dict(losses=losses, params={n: p.full_tensor() for n, p in parts.items()},
+                groups=[dist.get_process_group_ranks(opt._agreement_group()) for opt in optimizers])
+
+
+@pytest.mark.parametrize("schedule,layers,dtype", [
+    ("gpipe", 4, torch.float32), ("1f1b", 4, torch.float32), ("gpipe", 4, torch.bfloat16),
+    ("interleaved", 8, torch.float32),
+])
+def test_pipeline_stages_under_fsdp2_train_as_one_process(schedule, layers, dtype):
+    results = run_on_ranks(4, staged, schedule, layers, dtype)
+    reference = single_process(one_process, layers, dtype)
+    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    for rank, r in enumerate(results):
+        pp, dp = divmod(rank, 2)
+        assert all(group == [2 * pp, 2 * pp + 1] for group in r["groups"])  # the stage's dp ranks
+        for name, value in r["params"].items():
+            assert torch.equal(value, results[rank ^ 1]["params"][name]), name  # the dp replicas, bitwise
+            torch.testing.assert_close(value, reference["params"][name], **tolerance, msg=name)
+        if r["losses"]:  # the last stage's ranks: the mean of their microbatches' losses
+            other = results[rank ^ 1]["losses"]
+            torch.testing.assert_close(torch.tensor(r["losses"]) / 2 + torch.tensor(other) / 2,
+                                       torch.tensor(reference["losses"]), **tolerance)
+
+
+def stages_of_other_names() -> dict:
+    """Two stages whose optimizers hold different parameters (a stage each of pp=2 over dp=2),
+    trained apart: each agrees over its own dp ranks, so their names never meet."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh.get_coordinate()
+    model = whole_model(4, torch.float32)
+    part = nn.ModuleDict({str(i): model[i] for i in range(2 * pp, 2 * pp + 2)})
+    for block in part.values():
+        fully_shard(block, mesh=mesh["dp"])
+    opt = dmuon.Muon(part, **HPARAMS)
+    for step in range(2):
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(10 * step + 2 * pp + dp))
+        opt.zero_grad()
+        for i in range(2 * pp, 2 * pp + 2):
+            x = part[str(i)](x)
+        x.square().mean().backward()
+        opt.step()
+    return dict(names=sorted(n for n, _ in part.named_parameters()))
+
+
+def test_stages_with_other_parameters_agree_each_over_its_own_ranks():
+    results = run_on_ranks(4, stages_of_other_names)
+    assert results[0]["names"] == results[1]["names"] != results[2]["names"] == results[3]["names"]
+
+
+def process_group_short_of_a_mesh() -> str | None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    model = whole_model(2, torch.float32)
+    fully_shard(model, mesh=mesh["dp"])
+    return error_of(lambda: dmuon.Muon(model, process_group=mesh["pp"].get_group()))
+
+
+def test_a_process_group_that_does_not_cover_a_mesh_is_named():
+    errors = run_on_ranks(4, process_group_short_of_a_mesh)
+    for rank, error in enumerate(errors):
+        pp_ranks, dp_ranks = [rank % 2, rank % 2 + 2], [rank - rank % 2, rank - rank % 2 + 1]
+        assert error.startswith(f"ValueError: Invalid process_group: it covers ranks {pp_ranks}, but parameter "
+                                f"'0.0.weight' lives on ranks {dp_ranks}"), error
+
+
+def parts_on_two_meshes() -> str | None:
+    """One optimizer over parameters on the two stages' meshes of different ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    a, b = whole_model(2, torch.float32), whole_model(2, torch.float32)
+    fully_shard(a, mesh=mesh["dp"])
+    fully_shard(b, mesh=mesh["pp"])
+    return error_of(lambda: dmuon.Muon([{"params": list(a.parameters()) + list(b.parameters())}]))
+
+
+def test_parameters_on_meshes_that_no_group_covers_are_refused():
+    """Each rank's parameters live on its dp pair and its pp pair: three ranks, no group of them."""
+    for rank, error in enumerate(run_on_ranks(4, parts_on_two_meshes)):
+        ranks = sorted({rank - rank % 2, rank - rank % 2 + 1, rank % 2, rank % 2 + 2})
+        expected = f"ValueError: The optimizer's parameters live on ranks {ranks} (parameter of shape (16, 16)"
+        assert error.startswith(expected) and "Pass process_group= a group of them" in error, error
