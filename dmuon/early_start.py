@@ -62,10 +62,11 @@ the backward pass. Each owner's plan holds only its own matrices and exchanges n
 rank's run goes at its own pace. Across replicas (HSDP) the sums meet only at the end of the
 backward pass, and the step runs as without early start.
 
-Where the step plan has strategies that do not run in stages (gangs, gathered layouts,
-distributed Newton–Schulz), or with ``compile`` or ``cuda_graphs``, or with row-wise tensor
-parallel, the step runs as without early start; :attr:`EarlyStart.status` says why. On CUDA the
-early work runs on a stream of its own, so that it can overlap the backward pass.
+Where the step plan has strategies that do not run in stages (gangs, the pieces exchange of
+FSDP + tensor parallel and 2-D blocks, distributed Newton–Schulz), or with ``compile`` or
+``cuda_graphs``, or with row-wise tensor parallel, the step runs as without early start;
+:attr:`EarlyStart.status` says why. On CUDA the early work runs on a stream of its own, so that
+it can overlap the backward pass.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def unsupported_because(plan: StepPlan, compiled: bool, ddp: DDPReduction | None
     if compiled:
         return "compile or cuda_graphs: the compiled step runs as a whole"
     if not all(isinstance(s, PlannedExchange) for s in plan.strategies):
-        return "the plan has gangs, gathered layouts or distributed Newton-Schulz, which do not run in stages"
+        return ("the plan has gangs, pieces exchanges (FSDP + tensor parallel, 2-D blocks) or distributed "
+                "Newton-Schulz, which do not run in stages")
     for work in plan.works:
         p = work.param
         if ddp is not None and id(p) in ddp.params:

@@ -274,15 +274,6 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup, device: torch.device |
     return [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(obj), group, device, counter)]
 
 
-def gather_whole(local: Tensor, mesh, placements, shape: torch.Size, stride: tuple[int, ...]) -> Tensor:
-    """The whole tensor on every rank from this rank's piece of a DTensor layout (the gathered
-    fallback's one collective per matrix, counted by its caller)."""
-    from torch.distributed.tensor import DTensor
-
-    _grace_at_exit()
-    return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride).full_tensor()
-
-
 def new_subgroup(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     """A process group of ``ranks``, made by those ranks alone (``use_local_synchronization``:
     the others take no part), for a gang's distributed Newton–Schulz."""

@@ -23,10 +23,11 @@ stack of matrices (experts none: each rank orthogonalizes the      1      1
 =========================  ======================================  =====  =====
 
 Two more cases leave this picture: row-wise tensor parallel ``(Shard(1),)`` is exchanged as the
-transpose (``Layout.transposed``), and any other DTensor sharding on a mesh of all ranks (FSDP +
-tensor parallel with ``_StridedShard``, 2-D blocks) is gathered whole (``Layout.gathered``).
-``Partial`` placements and meshes of a subset of ranks raise ``NotImplementedError`` naming the
-parameter.
+transpose (``Layout.transposed``), and any other DTensor sharding (FSDP + tensor parallel with
+``_StridedShard``, 2-D blocks, expert stacks sharded on a matrix dimension) is exchanged piece by
+piece (``Layout.pieces``: :mod:`dmuon.strategies.pieces`), over the mesh's ranks. ``Partial``
+placements raise ``NotImplementedError`` naming the parameter, and so does a mesh of part of the
+job's ranks with no process group of exactly its ranks (pass one as ``process_group``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -52,10 +54,10 @@ class Layout:
     # Shard(1) (row-wise tensor parallel): the exchange runs on the transpose, whose Shard(0)
     # rows are the parameter's columns; NS(Wᵀ) = NS(W)ᵀ
     transposed: bool = False
-    # any other DTensor layout (FSDP + tensor parallel, 2-D blocks): the NS input is gathered
-    # whole on every rank, the owner orthogonalizes it and broadcasts the result
-    gathered: bool = False
-    # gathered, but every placement shards dim 0 (FSDP + column-wise TP: _StridedShard(0),
+    # any other DTensor layout (FSDP + tensor parallel, 2-D blocks): each rank's piece goes to
+    # the owner and its piece of the update comes back (dmuon.strategies.pieces)
+    pieces: bool = False
+    # pieces, but every placement shards dim 0 (FSDP + column-wise TP: _StridedShard(0),
     # Shard(0)): the ranks hold disjoint whole rows, so distributed NS can run on them in place
     rows_partitioned: bool = False
 
@@ -262,15 +264,44 @@ def detect_layout(
         layout = Layout((shape[1], shape[0]), 1, mesh.size(0), _group_ranks(exchange_group), transposed=True)
         return layout, exchange_group
     mesh_ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
-    if not any(p.is_partial() for p in placements) and mesh_ranks == tuple(range(dist.get_world_size())):
-        return Layout(shape, 1, len(mesh_ranks), mesh_ranks, gathered=True,
-                      rows_partitioned=len(shape) == 2 and _splits_dim0_only(placements)), dist.group.WORLD
+    exchange_group = _group_of_exactly(mesh_ranks, process_group)
+    if not any(p.is_partial() for p in placements) and exchange_group is not None:
+        return Layout(shape, 1, len(mesh_ranks), _group_ranks(exchange_group), pieces=True,
+                      rows_partitioned=len(shape) == 2 and _splits_dim0_only(placements)), exchange_group
     raise NotImplementedError(
         f"dmuon.Muon does not support the layout of parameter {name!r}: placements "
-        f"{placements} on a {mesh.ndim}-D mesh of ranks {list(mesh_ranks)}. Supported: plain/DDP "
-        "tensors; DTensors sharded or replicated (not Partial) on a mesh of all ranks; and on a mesh of part "
-        "of them, those exchanged over one mesh dimension (FSDP2, HSDP, 1-D tensor parallel, expert stacks)."
+        f"{placements} on a {mesh.ndim}-D mesh of ranks {list(mesh_ranks)}. "
+        + ("Partial placements: reduce them first." if any(p.is_partial() for p in placements) else
+           "Its mesh covers part of the job's ranks, and no process group of exactly those ranks is known: pass "
+           "one as process_group= (created on every rank at the same point, e.g. right after init_device_mesh).")
     )
+
+
+def _group_of_exactly(ranks: tuple[int, ...], process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The world, or ``process_group``, where its ranks are exactly ``ranks`` (sorted)."""
+    if ranks == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    if process_group is not None and tuple(sorted(_group_ranks(process_group))) == ranks:
+        return process_group
+    return None
+
+
+def piece_index_lists(param: DTensor) -> tuple[Tensor, ...]:
+    """This rank's piece of ``param`` as one index list per dimension (int64, CPU): the piece is
+    their outer product, in the order of the local tensor. Each list comes from cutting a tensor
+    of indices as DTensor cuts the parameter (its other dimensions just long enough that every
+    rank's piece of them has an element), so the pieces follow DTensor's own rules, ``Shard``
+    and ``_StridedShard`` alike."""
+    mesh, placements, shape = param.device_mesh, param.placements, tuple(param.shape)
+    enough = math.prod(mesh.shape) * math.prod(getattr(p, "split_factor", 1) for p in placements)
+    lists = []
+    for d, size in enumerate(shape):
+        sizes = [size if i == d else enough for i in range(len(shape))]
+        view = [size if i == d else 1 for i in range(len(shape))]
+        cut = piece_of(torch.arange(size).view(view).expand(sizes), mesh, placements)
+        first = tuple(slice(None) if i == d else 0 for i in range(len(shape)))
+        lists.append(cut[first].cpu() if cut.numel() else torch.zeros(cut.shape[d], dtype=torch.int64))
+    return tuple(lists)
 
 
 def piece_of(whole: Tensor, mesh, placements) -> Tensor:

@@ -521,7 +521,7 @@ def exchange_groups(layouts: Sequence[Layout], wires: Sequence[str]) -> list[lis
 def column_blocks_fit(layout: Layout) -> bool:
     """Whether a matrix held as ``layout`` can run distributed NS in place: its rows split over
     one group of several ranks, no replicas, whole rows on each rank."""
-    return (not layout.gathered or layout.rows_partitioned) and layout.replicas == 1 and layout.shards > 1
+    return (not layout.pieces or layout.rows_partitioned) and layout.replicas == 1 and layout.shards > 1
 
 
 def choose(matrices: Sequence[MatrixOptions], *, replica_split: bool | None = None,
@@ -560,7 +560,7 @@ def choose(matrices: Sequence[MatrixOptions], *, replica_split: bool | None = No
                                         units[members[0]].layout.size, units[members[0]].layout.replicas,
                                         bucket_bytes=bucket_bytes, flops_per_byte=flops_per_byte))
     eligible = [i for i, (m, u) in enumerate(zip(matrices, units))
-                if m.splittable and i not in column_blocks and u.layout.size > 1 and not u.layout.gathered]
+                if m.splittable and i not in column_blocks and u.layout.size > 1 and not u.layout.pieces]
     gangs: dict[int, tuple[int, ...]] = {}
     for members in exchange_groups([units[i].layout for i in eligible], [wires[i] for i in eligible]):
         group = [eligible[i] for i in members]

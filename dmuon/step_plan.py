@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -27,9 +26,9 @@ from torch.distributed.tensor import DTensor
 from dmuon.cuda_graphs import GraphedOrthogonalize
 from dmuon.elementwise import CompiledKernels, compile_kernels
 from dmuon.engine import Engine
-from dmuon.exchange import GroupRef, gather_whole
+from dmuon.exchange import GroupRef
 from dmuon.hyperparameters import EngineOptions, adjusted_lr_ratio, ns_config
-from dmuon.layout import detect_layout, owned_by, piece_of
+from dmuon.layout import detect_layout, owned_by
 from dmuon.orthogonalization import orthogonalize
 from dmuon.param_groups import MuonParam
 from dmuon.planner import (
@@ -47,7 +46,7 @@ from dmuon.routing import block_rows, matrix_shape
 from dmuon.strategies.base import Block, MatrixWork, Strategy, return_dtype, unit_of, wire_dtype
 from dmuon.strategies.column_blocks import ColumnBlocks
 from dmuon.strategies.gangs import Gangs
-from dmuon.strategies.gathered import GatheredFallback
+from dmuon.strategies.pieces import PiecesExchange
 from dmuon.strategies.planned import PlannedExchange
 from dmuon.tensors import local
 
@@ -188,7 +187,7 @@ class StepPlanner:
 
     @staticmethod
     def _planned(work: MatrixWork) -> bool:
-        return not (work.layout.gathered or work.column_blocks or work.gang)
+        return not (work.layout.pieces or work.column_blocks or work.gang)
 
     def exchange_plans(self, works: Sequence[MatrixWork]) -> list[Plan]:
         """The plan of each exchange group of the planned exchange (other strategies have none)."""
@@ -202,8 +201,8 @@ class StepPlanner:
 
     def strategies(self, works: Sequence[MatrixWork], device: torch.device) -> tuple[Strategy, ...]:
         """The strategies for ``works``, in the order every rank runs them: gangs first, then
-        the planned exchange of each exchange group, the gathered fallback, and distributed NS
-        on column blocks. Indices into ``works`` are what a step's StepIO answers to."""
+        the planned exchange of each exchange group, the pieces exchange of each, and distributed
+        NS on column blocks. Indices into ``works`` are what a step's StepIO answers to."""
         strategies: list[Strategy] = []
 
         def subset(keep: Callable[[MatrixWork], bool]) -> list[int]:
@@ -218,10 +217,12 @@ class StepPlanner:
             indices = [planned[i] for i in members]
             chosen = [works[i] for i in indices]
             strategies.append(PlannedExchange(indices, chosen, self._exchange_plan(chosen), device))
-        gathered = subset(lambda w: w.layout.gathered and not w.column_blocks)
-        if gathered:
-            chosen = [works[i] for i in gathered]
-            strategies.append(GatheredFallback(gathered, chosen, [self._unit(w) for w in chosen]))
+        pieces = subset(lambda w: w.layout.pieces and not w.column_blocks)
+        for members in self._exchange_groups([works[i] for i in pieces]):
+            indices = [pieces[i] for i in members]
+            chosen = [works[i] for i in indices]
+            strategies.append(PiecesExchange(indices, chosen, [self._unit(w) for w in chosen], self.bucket_bytes,
+                                             device))
         columns = subset(lambda w: w.column_blocks)
         if columns:
             strategies.append(ColumnBlocks(columns, [works[i] for i in columns]))
@@ -259,10 +260,6 @@ class StepPlanner:
         # the exchange of Shard(1) rows and the column blocks of Shard(0) see the transpose
         transpose = layout.transposed != column_blocks
         piece = local(p)
-        whole = part = None
-        if layout.gathered and not column_blocks:
-            whole = partial(gather_whole, mesh=p.device_mesh, placements=p.placements, shape=p.shape, stride=p.stride())
-            part = partial(piece_of, mesh=p.device_mesh, placements=p.placements)
         local_shape = tuple(piece.mT.shape if transpose else piece.shape)
         lr_scale = 1.0 if blocks else adjusted_lr_ratio(group["adjust_lr_fn"], rows_of_p, cols_of_p)
         # Newton–Schulz's last product rounds the update to its dtype; widened to the parameter's,
@@ -270,4 +267,4 @@ class StepPlanner:
         # block's scale would follow the cast, and bf16 → fp16 or back is no narrowing)
         narrow_return = self.narrow_returns and not blocks and config.dtype.itemsize < piece.dtype.itemsize
         return MatrixWork(name, p, group, lr_scale, local_shape, piece.dtype, layout, GroupRef(process_group), count,
-                          m, n, config, blocks, whole, part, column_blocks, narrow_return=narrow_return)
+                          m, n, config, blocks, column_blocks, narrow_return=narrow_return)

@@ -60,10 +60,6 @@ class MatrixWork:
     n: int
     config: NSConfig
     blocks: tuple[Block, ...] = ()
-    # gathered layouts only: this rank's input → the whole input on every rank (collective), and
-    # a whole update → this rank's piece
-    gather_whole: Callable[[Tensor], Tensor] | None = None
-    local_piece: Callable[[Tensor], Tensor] | None = None
     # distributed NS: the local input is this rank's column block (count, m, n_local) of a matrix
     # whose Gram side is m, and the update this rank's columns of the result
     column_blocks: bool = False

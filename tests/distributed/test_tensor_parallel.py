@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import dmuon
 from dmuon.orthogonalization import orthogonalize, orthogonalize_column_blocks, resolve_config
@@ -239,3 +240,61 @@ def test_cost_model_picks_column_blocks_for_a_tall_fsdp_matrix():
         assert r["planned"] == [[32]]
         for got, expected in zip(r["params"], ref_params):
             torch.testing.assert_close(got, expected.detach(), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- 2-D meshes: the pieces exchange
+
+TWO_D = {  # placements on a (2, 2) mesh, and the shapes stepped with them
+    "fsdp x colwise tp": ([_StridedShard(0, split_factor=2), Shard(0)], [(40, 16), (16, 24), (8, 8)]),
+    "fsdp x rowwise tp": ([Shard(0), Shard(1)], [(24, 40), (16, 24), (7, 5)]),
+    "2-D blocks, columns first": ([Shard(1), Shard(0)], [(24, 40), (16, 16)]),
+    "expert stacks, efsdp dim 1": ([Shard(0), Shard(1)], [(4, 16, 32), (4, 32, 16)]),
+    "expert stacks, efsdp dim 2": ([Shard(0), Shard(2)], [(4, 16, 32), (4, 32, 16)]),
+}
+
+
+def two_d_step(case: str, dtype: torch.dtype, steps: int = 2) -> dict:
+    """``steps`` Muon steps of DTensors placed as ``TWO_D[case]`` on a (2, 2) mesh, beside the
+    same steps in one process on the full tensors (the same gradients); the whole parameters,
+    whether they are bitwise the reference's, and the bytes of the last step."""
+    from dmuon.reference import ReferenceMuon
+    from tests.helpers import full_tensors
+
+    placements, shapes = TWO_D[case]
+    mesh = init_device_mesh("cpu", (2, 2))
+    init = [t.to(dtype) for t in full_tensors(shapes, seed=0)]
+    params = [nn.Parameter(distribute_tensor(t.clone(), mesh, placements, src_data_rank=None)) for t in init]
+    refs = [nn.Parameter(t.clone()) for t in init]
+    names = [f"p{i}" for i in range(len(params))]
+    hparams = {**HPARAMS, "ns_dtype": torch.float32 if dtype == torch.float32 else torch.bfloat16}
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}], **hparams)
+    ref = ReferenceMuon(refs, **hparams)
+    for step in range(steps):
+        for p, r, g in zip(params, refs, full_tensors(shapes, seed=100 + step)):
+            p.grad = distribute_tensor(g.to(dtype), mesh, placements, src_data_rank=None)
+            r.grad = g.to(dtype)
+        opt.step()
+        ref.step()
+    return dict(equal=[torch.equal(p.full_tensor(), r.detach()) for p, r in zip(params, refs)],
+                bytes=opt.last_step_stats.bytes_sent, matrices=opt.last_step_stats.matrices_orthogonalized,
+                muon_bytes=sum(t.numel() * t.element_size() for t in init))
+
+
+@pytest.mark.parametrize("case", sorted(TWO_D))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_d_layouts_step_as_one_process_and_exchange_as_fsdp2(case, dtype):
+    """Each owner receives exactly the pieces of its matrices and returns every rank its piece:
+    bitwise the single-process step, every matrix orthogonalized once, and per rank on average
+    2(N-1)/N of the Muon weights spread over the N ranks (the header's all-reduce aside)."""
+    from dmuon.agreement import HEADER_LEN
+
+    results = run_on_ranks(4, two_d_step, case, dtype)
+    for r in results:
+        assert all(r["equal"]), (case, r["equal"])
+    _, shapes = TWO_D[case]
+    assert sum(r["matrices"] for r in results) == sum(s[0] if len(s) == 3 else 1 for s in shapes)
+    exchanged = sum(r["bytes"] - 4 * HEADER_LEN for r in results)
+    if (7, 5) not in shapes:  # even pieces: exactly FSDP2's bound
+        assert exchanged == 2 * 3 / 4 * results[0]["muon_bytes"], (exchanged, results[0]["muon_bytes"])
+    else:  # uneven pieces: each matrix out and back once, less its owner's own piece
+        assert exchanged <= 2 * results[0]["muon_bytes"]

@@ -1,0 +1,135 @@
+"""Every other DTensor sharding of a matrix (FSDP + tensor parallel: ``_StridedShard`` beside
+``Shard``, 2-D blocks, expert stacks sharded on a matrix dimension): its owner receives exactly
+the pieces of it from the ranks that hold them — one packed all-to-all over the mesh's ranks —
+puts them in place, orthogonalizes the whole, and sends each rank its piece of the update back
+in a second all-to-all. Per rank that is its pieces out and back: 2(N−1)/N of the matrices
+spread over the N ranks, FSDP2's exchange, where gathering every matrix whole on every rank
+would move N times as much.
+
+A rank's piece of a tensor is the outer product of one index list per dimension: each
+``Shard``/``_StridedShard`` placement picks indices along one dimension, ``Replicate`` none
+(:func:`dmuon.layout.piece_index_lists`, which cuts tensors of indices as DTensor cuts the
+parameter, so the pieces follow DTensor's own rules). The ranks exchange their lists once, at
+the first step; where a replicated mesh dimension gives ranks the same piece, the first of them
+sends it. Owners are balanced by Newton–Schulz FLOPs (LPT); buckets of at most ``bucket_bytes``
+of input per owner bound the memory, and run one after the other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dmuon.exchange import all_gather_object, start_all_to_all
+from dmuon.layout import piece_index_lists
+from dmuon.planner import Unit, balance_owners
+from dmuon.strategies.base import Context, MatrixWork, StepIO, batches_of
+
+IndexLists = tuple[Tensor, ...]  # one per dimension of a work's global shape
+
+
+def take(whole: Tensor, lists: IndexLists) -> Tensor:
+    """The piece of ``whole`` at the outer product of ``lists`` (a copy)."""
+    return whole[_grid(lists)]
+
+
+def put(whole: Tensor, lists: IndexLists, piece: Tensor) -> None:
+    """Write ``piece`` into ``whole`` at the outer product of ``lists``."""
+    whole[_grid(lists)] = piece.reshape([len(index) for index in lists])
+
+
+def _grid(lists: IndexLists) -> tuple[Tensor, ...]:
+    """Index tensors that broadcast to the outer product of ``lists``."""
+    return tuple(index.view([-1 if d == i else 1 for d in range(len(lists))]) for i, index in enumerate(lists))
+
+
+def buckets_by_owner(nbytes: Sequence[int], owners: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive runs of works in which no owner receives more than ``bucket_bytes`` (a work
+    larger than that alone in its bucket)."""
+    buckets: list[list[int]] = []
+    load: dict[int, int] = {}
+    for u, (size, owner) in enumerate(zip(nbytes, owners)):
+        if buckets and load.get(owner, 0) + size <= bucket_bytes:
+            buckets[-1].append(u)
+            load[owner] = load.get(owner, 0) + size
+        else:
+            buckets.append([u])
+            load = {owner: size}
+    return buckets
+
+
+class PiecesExchange:
+    """The works of one exchange group whose pieces are not row chunks (see the module's docstring)."""
+
+    def __init__(self, indices: Sequence[int], works: Sequence[MatrixWork], units: Sequence[Unit],
+                 bucket_bytes: int, device: torch.device) -> None:
+        self.indices, self.works, self.units = list(indices), list(works), list(units)
+        self.device = device
+        self.size = works[0].layout.size
+        self.me = works[0].layout.group_ranks.index(dist.get_rank())
+        self.owners, _ = balance_owners([u.flops for u in units], [u.name for u in units], self.size)
+        nbytes = [math.prod(u.layout.shape) * u.itemsize for u in units]
+        self.buckets = buckets_by_owner(nbytes, self.owners, bucket_bytes)
+        self.lists: list[list[IndexLists]] | None = None  # per work, per position: found at the first run
+        self.senders: list[list[int]] = []  # per work: the positions whose piece its owner receives
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return self.works[0].process_group
+
+    def _find_pieces(self, ctx: Context) -> None:
+        """Every position's index lists of every work (one all-gather, at the first run)."""
+        mine = [piece_index_lists(w.param) for w in self.works]
+        everyone = all_gather_object(mine, self.process_group, self.device, ctx.counter)
+        self.lists = [[everyone[p][u] for p in range(self.size)] for u in range(len(self.works))]
+        for per_position in self.lists:
+            first = {}
+            for p, lists in enumerate(per_position):
+                first.setdefault(tuple(tuple(index.tolist()) for index in lists), p)
+            self.senders.append(sorted(first.values()))
+
+    def run(self, io: StepIO, ctx: Context) -> None:
+        if self.lists is None:
+            self._find_pieces(ctx)
+        for bucket in self.buckets:
+            self._run_bucket(bucket, io, ctx)
+
+    def _run_bucket(self, bucket: list[int], io: StepIO, ctx: Context) -> None:
+        lists, me = self.lists, self.me
+        inputs = dict(zip(bucket, io.inputs([self.indices[u] for u in bucket])))
+        wire = ctx.wire_dtype(self.works[bucket[0]])
+        owned = [u for u in bucket if self.owners[u] == me]
+        # out: this rank's pieces to their owners (where it sends them), the owned ones' to itself
+        sends = [[] for _ in range(self.size)]
+        for u in bucket:
+            if me in self.senders[u]:
+                sends[self.owners[u]].append(inputs[u])
+        shapes = [[(_numel(lists[u][p]),) for u in owned if p in self.senders[u]] for p in range(self.size)]
+        received = [iter(pieces) for pieces in start_all_to_all(
+            sends, shapes, self.process_group, me, wire, ctx.counter, self.device).wait()]
+        wholes = {}
+        for u in owned:
+            work = self.works[u]
+            whole = torch.empty(work.layout.shape, dtype=wire, device=self.device)
+            for p in self.senders[u]:
+                put(whole, lists[u][p], next(received[p]))
+            wholes[u] = whole.reshape(work.count, work.m, work.n)
+        updates = ctx.orthogonalize_whole(wholes, self.works, batches_of(owned, self.works),
+                                          sum(self.units[u].flops for u in owned))
+        # back: every rank's piece of each owned update (its own too), in the update's return dtype
+        back = ctx.return_dtype(self.works[bucket[0]])
+        returns = [[take(updates[u].reshape(self.works[u].layout.shape), lists[u][p]) for u in owned]
+                   for p in range(self.size)]
+        shapes = [[(_numel(lists[u][me]),) for u in bucket if self.owners[u] == p] for p in range(self.size)]
+        received = [iter(pieces) for pieces in start_all_to_all(
+            returns, shapes, self.process_group, me, back, ctx.counter, self.device).wait()]
+        io.apply([self.indices[u] for u in bucket],
+                 [next(received[self.owners[u]]).view(self.works[u].local_shape) for u in bucket])
+
+
+def _numel(lists: IndexLists) -> int:
+    return math.prod(len(index) for index in lists)
