@@ -178,3 +178,41 @@ def test_parameters_on_meshes_that_no_group_covers_are_refused():
         ranks = sorted({rank - rank % 2, rank - rank % 2 + 1, rank % 2, rank % 2 + 2})
         expected = f"ValueError: The optimizer's parameters live on ranks {ranks} (parameter of shape (16, 16)"
         assert error.startswith(expected) and "Pass process_group= a group of them" in error, error
+
+
+def two_d_mesh_in_each_stage(dtype: torch.dtype) -> dict:
+    """Ranks {0, 1} and {2, 3}, each a stage whose matrices sit on a 2-D (dp=1, tp=2) mesh as
+    2-D blocks: no mesh dimension's group has all of a stage's ranks, so the optimizer takes
+    ``process_group=`` the stage's group (made on every rank up front), and the pieces exchange
+    runs over it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dmuon.reference import ReferenceMuon
+    from tests.helpers import full_tensors
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    stage_group, _ = dist.new_subgroups(2)
+    stage = dist.get_rank() // 2
+    shapes = [(24, 40), (16, 16)]
+    init = [t.to(dtype) for t in full_tensors(shapes, seed=stage)]
+    placements = [Shard(0), Shard(1)]
+    params = [nn.Parameter(distribute_tensor(t.clone(), mesh["dp", "tp"], placements, src_data_rank=None))
+              for t in init]
+    refs = [nn.Parameter(t.clone()) for t in init]
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": ["a", "b"]}], process_group=stage_group,
+                     **HPARAMS)
+    ref = ReferenceMuon(refs, **HPARAMS)
+    for step in range(2):
+        for p, r, g in zip(params, refs, full_tensors(shapes, seed=100 * stage + step)):
+            p.grad = distribute_tensor(g.to(dtype), mesh["dp", "tp"], placements, src_data_rank=None)
+            r.grad = g.to(dtype)
+        opt.step()
+        ref.step()
+    return dict(equal=[torch.equal(p.full_tensor(), r.detach()) for p, r in zip(params, refs)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_two_d_mesh_inside_a_stage_exchanges_over_the_stages_group(dtype):
+    for r in run_on_ranks(4, two_d_mesh_in_each_stage, dtype):
+        assert all(r["equal"])
