@@ -111,8 +111,8 @@ def test_bf16_parameters_under_tensor_parallel_stay_identical_across_ranks(paral
             torch.testing.assert_close(value, reference["params"][name], rtol=3e-2, atol=3e-2, msg=name)
 
 
-def save_and_load_tp(path: str) -> dict:
-    model, opt, _, _ = build("tp")
+def save_and_load_tp(path: str, parallel: str = "tp") -> dict:
+    model, opt, _, _ = build(parallel)
     x, y = batch(0)
     F.mse_loss(model(x), y).backward()
     opt.step()
@@ -130,8 +130,9 @@ def load_plain(path: str) -> dict:
                           for n, p in model.named_parameters() if p.ndim == 2})
 
 
-def test_tensor_parallel_checkpoint_loads_in_one_process(tmp_path):
-    saved = run_on_ranks(2, save_and_load_tp, str(tmp_path / "tp"))[0]
+@pytest.mark.parametrize("parallel,world", [("tp", 2), ("fsdp+tp", 4)])
+def test_tensor_parallel_checkpoint_loads_in_one_process(tmp_path, parallel, world):
+    saved = run_on_ranks(world, save_and_load_tp, str(tmp_path / "tp"), parallel)[0]
     loaded = run_on_ranks(1, load_plain, str(tmp_path / "tp"))[0]
     for part in ("params", "momentum"):
         assert saved[part].keys() == loaded[part].keys() and saved[part]
