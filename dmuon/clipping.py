@@ -22,17 +22,26 @@ from dmuon.layout import counted_here, owned_by
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
 
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float,
+                    process_group: dist.ProcessGroup | None = None) -> Tensor:
     """Clip gradients to a global L2 norm of ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``
     would on one process holding the whole model; return the norm before clipping (a 0-D
-    tensor, the same on every rank). ``max_norm <= 0`` only measures. Collective when
-    ``torch.distributed`` is initialized: every rank must call it."""
+    tensor, the same on every rank). Collective when ``torch.distributed`` is initialized: every
+    rank of the job calls it, each with its part of the model (a pipeline stage's), and the norm
+    is the whole model's.
+
+    Args:
+        parameters: this rank's parameters (plain tensors, DTensors, owner-sharded matrices).
+        max_norm: the norm to clip to; ``<= 0`` only measures.
+        process_group: the ranks holding copies of the plain tensors among ``parameters`` (a
+            pipeline stage's DDP group), whose first rank counts them; default: the world.
+    """
     params = list(parameters)
     for sharding in {id(o.sharding): o.sharding for p in params if (o := owned_by(p)) is not None}.values():
         sharding.wait_for_gradients()  # the owners' gradients are complete only after it
     with_grad = [p for p in params if p.grad is not None]
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in with_grad]
-    counted = [g.float().square().sum() for p, g in zip(with_grad, grads) if counted_here(p)]
+    counted = [g.float().square().sum() for p, g in zip(with_grad, grads) if counted_here(p, process_group)]
     device = params[0].device if params else torch.device("cpu")
     total = torch.stack(counted).sum() if counted else torch.zeros((), device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -128,18 +128,21 @@ def owner_shardings(params: Sequence[Tensor]) -> tuple[list[bool], list[OwnerSha
     return [o is None or o.is_mine for o in owned], list(shardings.values())
 
 
-def counted_here(param: Tensor) -> bool:
+def counted_here(param: Tensor, replicas: dist.ProcessGroup | None = None) -> bool:
     """Whether this rank's piece of ``param`` (or of its gradient) is the copy that counts in a
     job-wide sum, so that every element counts exactly once: owner-sharded parameters on their
     owner; DTensor shards on every rank, but replicated mesh dims at coordinate 0 only; plain
-    (replicated) tensors on rank 0."""
+    (replicated) tensors on the first rank of ``replicas``, the group holding their copies
+    (default: the world, rank 0)."""
     owned = owned_by(param)
     if owned is not None:
         return owned.is_mine
     if isinstance(param, DTensor):
         coordinate = param.device_mesh.get_coordinate() or []
         return all(c == 0 for c, p in zip(coordinate, param.placements) if p.is_replicate())
-    return not dist.is_initialized() or dist.get_rank() == 0
+    if not dist.is_initialized():
+        return True
+    return dist.get_rank() == (dist.get_global_rank(replicas, 0) if replicas is not None else 0)
 
 
 def _groups_of(param: Tensor) -> tuple[tuple[int, ...], list[dist.ProcessGroup]] | None:

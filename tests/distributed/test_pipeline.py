@@ -216,3 +216,26 @@ def two_d_mesh_in_each_stage(dtype: torch.dtype) -> dict:
 def test_a_two_d_mesh_inside_a_stage_exchanges_over_the_stages_group(dtype):
     for r in run_on_ranks(4, two_d_mesh_in_each_stage, dtype):
         assert all(r["equal"])
+
+
+def clipped_across_ddp_stages() -> dict:
+    """Two stages of a model under DDP on their own ranks ({0, 1}, {2, 3}), each with one
+    batch: dmuon.clip_grad_norm_ over every rank, each counting its stage's plain tensors once
+    (process_group: the stage's), gives the norm of the whole model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    stage_group, _ = dist.new_subgroups(2)
+    stage = dist.get_rank() // 2
+    model = whole_model(4, torch.float32)
+    part = DistributedDataParallel(nn.Sequential(*list(model)[2 * stage:2 * stage + 2]), process_group=stage_group)
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(stage))
+    part(x).square().mean().backward()
+    norm = dmuon.clip_grad_norm_(part.parameters(), 0.0, process_group=stage_group)
+    return dict(norm=norm.item(), grads=[p.grad.clone() for p in part.parameters()])
+
+
+def test_clipping_counts_each_stages_replicas_once():
+    results = run_on_ranks(4, clipped_across_ddp_stages)
+    expected = sum(g.double().square().sum() for r in (results[0], results[2]) for g in r["grads"]).sqrt().item()
+    for r in results:
+        assert r["norm"] == pytest.approx(expected, rel=1e-6)
