@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from dmuon.agreement import agree
 from dmuon.exchange import GroupRef, all_reduce_max, collective_device, job_group
@@ -156,8 +156,9 @@ def row_scales(rows: int, blocks: list[tuple[int, Tensor]], head_dim: int) -> Te
 
 def scale_rows_(tensor: Tensor, out_dim: int, scales: Tensor) -> None:
     """Multiply, in place, the output rows of ``tensor`` this rank holds by ``scales`` (one per
-    row of the whole tensor): a plain tensor whole, a DTensor its local piece (only the
-    placements that split ``out_dim`` cut the scales), an owner-sharded weight on its owner."""
+    row of the whole tensor): a plain tensor whole, a DTensor its local piece (the scales, spread
+    over the tensor's shape, cut as DTensor cuts the tensor: any ``Shard`` or ``_StridedShard``),
+    an owner-sharded weight on its owner."""
     owned = owned_by(tensor)
     if owned is not None and not owned.is_mine:
         return  # its owner scales it; the copies here are refreshed from the owner before use
@@ -165,9 +166,8 @@ def scale_rows_(tensor: Tensor, out_dim: int, scales: Tensor) -> None:
     shape[out_dim] = -1
     scales = scales.view(shape)
     if isinstance(tensor, DTensor):
-        placements = [p if isinstance(p, Shard) and p.dim == out_dim else Replicate() for p in tensor.placements]
         local = tensor.to_local()
-        scales = piece_of(scales.to(local.device), tensor.device_mesh, placements)
+        scales = piece_of(scales.to(local.device).expand(tensor.shape), tensor.device_mesh, tensor.placements)
     else:
         local = tensor.data
     local.mul_(scales.to(local.device))  # computed in fp32, rounded once to the tensor's dtype

@@ -7,13 +7,15 @@ rank before any weight changes."""
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import dmuon
 from dmuon import AttentionLayer, QKClip
@@ -69,9 +71,13 @@ def clip_steps(layout: str | None, dtype: torch.dtype, world: int, recorders: in
     rank = dist.get_rank() if layout else 0
     if layout == "tp":
         mesh, placements = init_device_mesh("cpu", (world,)), [Shard(0)]
+    elif layout == "fsdp+tp":  # the rows of q, k and their biases over a (dp, tp) mesh, as FSDP over TP holds them
+        mesh, placements = init_device_mesh("cpu", (2, world // 2)), [_StridedShard(0, split_factor=2), Shard(0)]
     else:
         mesh, placements = placements_for(layout, world) if layout else (None, None)
-    params = [nn.Parameter(as_layout(t.to(dtype), mesh, placements)) for t in full_tensors(shapes(world), seed=0)]
+    place = partial(distribute_tensor, device_mesh=mesh, placements=placements, src_data_rank=None) \
+        if layout == "fsdp+tp" else partial(as_layout, mesh=mesh, placements=placements)
+    params = [nn.Parameter(place(t.to(dtype))) for t in full_tensors(shapes(world), seed=0)]
     if layout:
         opt = dmuon.Muon([{"params": params[:MATRICES], "algorithm": "muon", "param_names": NAMES[:MATRICES]},
                           {"params": params[MATRICES:], "algorithm": "adamw", "param_names": NAMES[MATRICES:]}],
@@ -82,7 +88,7 @@ def clip_steps(layout: str | None, dtype: torch.dtype, world: int, recorders: in
     clipped = []
     for step in range(STEPS):
         for p, g in zip(params[:MATRICES], full_tensors(shapes(world)[:MATRICES], seed=100 + step)):
-            p.grad = as_layout(g.to(dtype), mesh, placements)
+            p.grad = place(g.to(dtype))
         for i, name in enumerate(clip.layers):
             heads = 2 * world
             if layout == "tp":  # every rank saw the batch, and computed its own heads
@@ -102,10 +108,12 @@ def clip_steps(layout: str | None, dtype: torch.dtype, world: int, recorders: in
     ("ddp", 1, torch.float32), ("ddp", 2, torch.float32), ("ddp", 3, torch.float32), ("ddp", 2, torch.bfloat16),
     ("fsdp", 2, torch.float32), ("fsdp", 3, torch.float32), ("fsdp", 3, torch.bfloat16),
     ("hsdp", 4, torch.float32), ("tp", 2, torch.float32), ("tp", 3, torch.float32), ("tp", 3, torch.bfloat16),
+    ("fsdp+tp", 4, torch.float32), ("fsdp+tp", 4, torch.bfloat16),
 ])
 def test_a_clipped_step_matches_one_process_bitwise(layout, world, dtype):
-    # a fused weight's heads are not whole on each rank under tensor parallel's Shard(0)
-    fused = layout != "tp"
+    # a fused weight's heads are not whole on each rank under tensor parallel's Shard(0), and its
+    # 10 rows do not split evenly over FSDP x TP's four
+    fused = layout not in ("tp", "fsdp+tp")
     results = run_on_ranks(world, clip_steps, layout, dtype, world, fused=fused)
     # tensor-parallel ranks record the same batch's heads, data-parallel ranks their own batches'
     reference = single_process(clip_steps, None, dtype, world, 1 if layout == "tp" else world, fused)
