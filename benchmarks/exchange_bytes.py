@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import on_gloo_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -59,29 +56,16 @@ def step_bytes(mesh_shape: tuple[int, ...], placements: list, shapes: list) -> t
     return opt.last_step_stats.bytes_sent - 4 * HEADER_LEN, sum(t.numel() * t.element_size() for t in full)
 
 
-def _rank(rank: int, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
-        for name, (mesh_shape, placements, shapes) in LAYOUTS.items():
-            results[(name, rank)] = step_bytes(mesh_shape, placements, shapes)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def every_layout(rank: int, world: int, results: dict) -> None:
+    for name, (mesh_shape, placements, shapes) in LAYOUTS.items():
+        results[(name, rank)] = step_bytes(mesh_shape, placements, shapes)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_rank, args=(port, shared), nprocs=WORLD)
-        results = dict(shared)
+    results = on_gloo_ranks(WORLD, every_layout)
     rows = {}
     print(f"{WORLD} gloo ranks, one dmuon step (fp32): kB sent per rank, against FSDP2's bound 2(N-1)/N x W / N")
     print(f"{'layout':<32} {'mean':>8} {'max':>8} {'bound':>8} {'mean/bound':>11} {'gathered':>9}")

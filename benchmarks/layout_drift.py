@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import on_gloo_ranks
 
 import dmuon
 from dmuon.tools.corpus import VOCAB_SIZE, load_corpus, train_batch
@@ -65,17 +63,11 @@ def train(args: argparse.Namespace, name: str, rank: int, world: int) -> list[fl
     return losses
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for name in OPTIMIZERS:
-            losses = train(args, name, rank, world)
-            if rank == 0:
-                results[name] = losses
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def every_optimizer(rank: int, world: int, results: dict, args: argparse.Namespace) -> None:
+    for name in OPTIMIZERS:
+        losses = train(args, name, rank, world)
+        if rank == 0:
+            results[name] = losses
 
 
 def main() -> None:
@@ -91,13 +83,7 @@ def main() -> None:
     if args.batch_size % args.world_size:
         parser.error("--batch-size must be a multiple of --world-size")
     alone = {name: train(args, name, 0, 1) for name in OPTIMIZERS}
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_rank, args=(args.world_size, port, args, shared), nprocs=args.world_size)
-        sharded = dict(shared)
+    sharded = on_gloo_ranks(args.world_size, every_optimizer, args)
     rows = {}
     marks = sorted({step for step in (3, 30, args.steps) if step <= args.steps})
     print(f"{args.preset} preset, {args.steps} steps, one process vs FSDP2 on {args.world_size} ranks: "
