@@ -85,12 +85,14 @@ class PiecesExchange:
         """Every position's index lists of every work (one all-gather, at the first run)."""
         mine = [piece_index_lists(w.param) for w in self.works]
         everyone = all_gather_object(mine, self.process_group, self.device, ctx.counter)
-        self.lists = [[everyone[p][u] for p in range(self.size)] for u in range(len(self.works))]
-        for per_position in self.lists:
+        self.lists = []
+        for u in range(len(self.works)):
             first = {}
-            for p, lists in enumerate(per_position):
-                first.setdefault(tuple(tuple(index.tolist()) for index in lists), p)
+            for p in range(self.size):
+                first.setdefault(tuple(tuple(index.tolist()) for index in everyone[p][u]), p)
             self.senders.append(sorted(first.values()))
+            # on the device of the values they index: no copy at every step
+            self.lists.append([tuple(index.to(self.device) for index in everyone[p][u]) for p in range(self.size)])
 
     def run(self, io: StepIO, ctx: Context) -> None:
         if self.lists is None:
