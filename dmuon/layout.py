@@ -145,6 +145,13 @@ def counted_here(param: Tensor, replicas: dist.ProcessGroup | None = None) -> bo
     return dist.get_rank() == (dist.get_global_rank(replicas, 0) if replicas is not None else 0)
 
 
+def ranks_holding(param: Tensor, process_group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """The ranks that hold ``param`` (its pieces or copies): a plain tensor's are
+    ``process_group``'s (default: the world's)."""
+    groups = _groups_of(param)
+    return groups[0] if groups is not None else tuple(sorted(_group_ranks(process_group or dist.group.WORLD)))
+
+
 def _groups_of(param: Tensor) -> tuple[tuple[int, ...], list[dist.ProcessGroup]] | None:
     """The ranks that hold ``param`` (its pieces or copies) and the process groups made for
     them up front (a DTensor's mesh dimensions, an owner sharding's group); None for a plain

@@ -35,7 +35,7 @@ from dmuon.hyperparameters import (
     unexpected_option_message,
     validate_defaults,
 )
-from dmuon.layout import agreement_group, owned_by, owner_shardings
+from dmuon.layout import agreement_group, owned_by, owner_shardings, ranks_holding
 from dmuon.orthogonalization import NORMALIZATION_EPS, default_dtype_reason
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
 from dmuon.routing import Route, module_roles
@@ -273,15 +273,18 @@ class Muon(torch.optim.Optimizer):
         self._agreed(fingerprint)
 
     def _check_same_ranks(self) -> None:
-        """An added group's parameters live on the ranks of the optimizer's: its agreement and
-        exchanges run over those (an optimizer per set of ranks: a pipeline stage's)."""
+        """An added group's parameters live on the optimizer's ranks: its agreement and exchanges
+        run over those (an optimizer per set of ranks: a pipeline stage's)."""
         job = self._agreement_group()
-        now = agreement_group(param_groups.all_entries(self.param_groups), self._process_group())
-        if job is not None and now is not None and dist.get_process_group_ranks(now) != \
-                dist.get_process_group_ranks(job):
-            raise ValueError(f"Param group {len(self.param_groups) - 1}'s parameters live on ranks "
-                             f"{dist.get_process_group_ranks(now)}, this optimizer's on ranks "
-                             f"{dist.get_process_group_ranks(job)}: give them an optimizer of their own.")
+        if job is None:
+            return
+        ranks = sorted(dist.get_process_group_ranks(job))
+        g = len(self.param_groups) - 1
+        for name, p in param_groups.all_entries(self.param_groups)[-len(self.param_groups[g]["params"]):]:
+            held = ranks_holding(p, self._process_group())
+            if not set(held) <= set(ranks):
+                raise ValueError(f"Parameter {name!r} of param group {g} lives on ranks {list(held)}, this optimizer's "
+                                 f"parameters on ranks {ranks}: give it an optimizer of its own.")
 
     def _add_stored(self, group: dict[str, Any]) -> None:
         # torch's add_param_group would copy the constructor's defaults into the group, including

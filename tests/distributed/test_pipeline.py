@@ -239,3 +239,25 @@ def test_clipping_counts_each_stages_replicas_once():
     expected = sum(g.double().square().sum() for r in (results[0], results[2]) for g in r["grads"]).sqrt().item()
     for r in results:
         assert r["norm"] == pytest.approx(expected, rel=1e-6)
+
+
+def group_added_from_another_stage() -> str | None:
+    """An optimizer of a stage's parameters (on its dp ranks), given a group of parameters that
+    live on the pp ranks: refused, on the stage's ranks, before anything changes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    mine, other = whole_model(2, torch.float32), whole_model(2, torch.float32)
+    fully_shard(mine, mesh=mesh["dp"])
+    fully_shard(other, mesh=mesh["pp"])
+    opt = dmuon.Muon(mine, **HPARAMS)
+    error = error_of(lambda: opt.add_param_group({"params": list(other.named_parameters())}))
+    return error if len(opt.param_groups) == 1 else "the group was added"
+
+
+def test_a_group_on_other_ranks_is_refused():
+    for rank, error in enumerate(run_on_ranks(4, group_added_from_another_stage)):
+        dp, pp = [rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]
+        assert error == (f"ValueError: Parameter '0.0.weight' of param group 1 lives on ranks {pp}, this optimizer's "
+                         f"parameters on ranks {dp}: give it an optimizer of its own."), error
