@@ -42,6 +42,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from dmuon.tensors import label
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -188,27 +190,20 @@ def agreement_group(params: Sequence[tuple[str | None, Tensor]],
         for name, tensor, groups in held:
             if groups is not None and not set(groups[0]) <= ranks:
                 raise ValueError(f"Invalid process_group: it covers ranks {sorted(ranks)}, but parameter "
-                                 f"{_label(name, tensor)} lives on ranks {list(groups[0])}. Pass a group of every "
+                                 f"{label(name, tensor)} lives on ranks {list(groups[0])}. Pass a group of every "
                                  "rank holding the optimizer's parameters (or leave process_group out).")
         return process_group
     if not held or any(groups is None for _, _, groups in held):
         return dist.group.WORLD
-    union = sorted({rank for _, _, (ranks, _) in held for rank in ranks})
-    if union == list(range(dist.get_world_size())):
-        return dist.group.WORLD
-    for _, _, (_, groups) in held:
-        for group in groups:
-            if sorted(_group_ranks(group)) == union:
-                return group
+    union = tuple(sorted({rank for _, _, (ranks, _) in held for rank in ranks}))
+    group = _group_of_exactly(union, [g for _, _, (_, groups) in held for g in groups])
+    if group is not None:
+        return group
     name, tensor, (ranks, _) = held[0]
-    raise ValueError(f"The optimizer's parameters live on ranks {union} (parameter {_label(name, tensor)} on ranks "
-                     f"{list(ranks)}), part of the job, and none of their meshes has a process group of exactly those "
-                     "ranks. Pass process_group= a group of them, created on every rank of the job at the same point "
-                     "(dist.new_group, or a DeviceMesh dimension made up front).")
-
-
-def _label(name: str | None, tensor: Tensor) -> str:
-    return repr(name) if name is not None else f"of shape {tuple(tensor.shape)}"
+    raise ValueError(f"The optimizer's parameters live on ranks {list(union)} (parameter {label(name, tensor)} on "
+                     f"ranks {list(ranks)}), part of the job, and none of their meshes has a process group of exactly "
+                     "those ranks. Pass process_group= a group of them, created on every rank of the job at the same "
+                     "point (dist.new_group, or a DeviceMesh dimension made up front).")
 
 
 def _splits_dim0_only(placements: tuple) -> bool:
@@ -274,7 +269,7 @@ def detect_layout(
         layout = Layout((shape[1], shape[0]), 1, mesh.size(0), _group_ranks(exchange_group), transposed=True)
         return layout, exchange_group
     mesh_ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
-    exchange_group = _group_of_exactly(mesh_ranks, process_group)
+    exchange_group = _group_of_exactly(mesh_ranks, [process_group])
     if not any(p.is_partial() for p in placements) and exchange_group is not None:
         return Layout(shape, 1, len(mesh_ranks), _group_ranks(exchange_group), pieces=True,
                       rows_partitioned=len(shape) == 2 and _splits_dim0_only(placements)), exchange_group
@@ -287,13 +282,13 @@ def detect_layout(
     )
 
 
-def _group_of_exactly(ranks: tuple[int, ...], process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The world, or ``process_group``, where its ranks are exactly ``ranks`` (sorted)."""
+def _group_of_exactly(ranks: tuple[int, ...],
+                      candidates: Sequence[dist.ProcessGroup | None]) -> dist.ProcessGroup | None:
+    """A process group whose ranks are exactly ``ranks`` (sorted): the world, or the first of
+    ``candidates`` (groups made up front) that is; None where none is."""
     if ranks == tuple(range(dist.get_world_size())):
         return dist.group.WORLD
-    if process_group is not None and tuple(sorted(_group_ranks(process_group))) == ranks:
-        return process_group
-    return None
+    return next((g for g in candidates if g is not None and tuple(sorted(_group_ranks(g))) == ranks), None)
 
 
 def piece_index_lists(param: DTensor) -> tuple[Tensor, ...]:

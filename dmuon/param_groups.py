@@ -37,6 +37,7 @@ from dmuon.hyperparameters import (
 )
 from dmuon.layout import owned_by
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, Route, block_rows, default_route, matrix_shape
+from dmuon.tensors import label
 
 Entry = tuple[str | None, Tensor]
 
@@ -77,8 +78,7 @@ def check_listed_once(entries: Sequence[Entry], where: str) -> None:
     for i, (name, p) in enumerate(entries):
         j = first.setdefault(id(p), i)
         if j != i:
-            label = repr(name) if name is not None else f"of shape {tuple(p.shape)}"
-            raise ValueError(f"Parameter {label} is listed twice{where} (positions {j} and {i}): list each "
+            raise ValueError(f"Parameter {label(name, p)} is listed twice{where} (positions {j} and {i}): list each "
                              "parameter once.")
 
 

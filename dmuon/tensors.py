@@ -15,6 +15,11 @@ def local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def label(name: str | None, tensor: Tensor) -> str:
+    """A parameter as messages name it: its name, or for an unnamed one its shape."""
+    return repr(name) if name is not None else f"of shape {tuple(tensor.shape)}"
+
+
 def same_bits(pairs: Sequence[tuple[Tensor, Tensor]]) -> bool:
     """Whether the two tensors of every pair hold the same bits (NaNs alike; +0 and -0 differ),
     as one bool (one host sync for all the pairs)."""
