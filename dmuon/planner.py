@@ -185,12 +185,28 @@ class Plan:
         mean = sum(loads) / len(loads)
         return max(loads) / mean if mean else 1.0
 
+    @property
+    def strategy(self) -> str:
+        """How the group's matrices reach their owners, in words."""
+        layout = self.units[0].layout if self.units else None
+        if layout is None or layout.size == 1:
+            return "each rank's own matrices, no exchange"
+        if layout.pieces:
+            return (f"pieces exchange over {self.size} ranks: each owner receives exactly the pieces of its matrices "
+                    "(FSDP x tensor parallel, 2-D blocks, expert stacks sharded on a matrix dimension)")
+        rows = "columns (row-wise tensor parallel)" if layout.transposed else "rows"
+        shards = self.size // self.replicas
+        return f"row exchange over {self.size} ranks ({self.replicas} replica(s) x {shards} shard(s) of the {rows})"
+
     def table(self) -> str:
-        """Per rank: matrices owned, NS GFLOPs, MB out and in; then the imbalance."""
-        lines = [f"{'rank':>4}  {'matrices':>8}  {'NS GFLOP':>9}  {'MB out':>8}  {'MB in':>8}"]
+        """The strategy; per rank (global rank): matrices owned, NS GFLOPs, MB out and in; then
+        the imbalance."""
+        ranks = self.units[0].layout.group_ranks if self.units else range(self.size)
+        lines = [f"exchange: {self.strategy}",
+                 f"{'rank':>4}  {'matrices':>8}  {'NS GFLOP':>9}  {'MB out':>8}  {'MB in':>8}"]
         for p in range(self.size):
             lines.append(
-                f"{p:>4}  {self.matrices(p):>8}  {self.flops(p) / 1e9:>9.3f}  "
+                f"{ranks[p]:>4}  {self.matrices(p):>8}  {self.flops(p) / 1e9:>9.3f}  "
                 f"{self.bytes_sent(p) / 2**20:>8.2f}  {self.bytes_received(p) / 2**20:>8.2f}"
             )
         lines.append(f"imbalance (max/mean NS FLOPs): {self.imbalance:.3f}; buckets: {len(self.buckets)}")
@@ -275,6 +291,27 @@ def make_plan(
     if current:
         buckets.append(tuple(current))
     return Plan(tuple(units), tuple(owners), tuple(buckets), size, replicas)
+
+
+def pieces_plan(units: Sequence[Unit], size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+    """The plan of a pieces exchange (:mod:`dmuon.strategies.pieces`): owners balanced by
+    Newton–Schulz FLOPs alone (LPT; every owner receives its matrices' pieces from all the ranks
+    that hold them, so bytes do not tell owners apart), and buckets of consecutive units in which
+    no owner receives more than ``bucket_bytes`` (a unit larger than that alone in its bucket).
+    Bytes per position count each rank's share of a unit as an even split of it."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"Invalid {bucket_bytes=}. Must be > 0.")
+    owners, _ = balance_owners([u.flops for u in units], [u.name for u in units], size)
+    buckets: list[tuple[int, ...]] = []
+    load: dict[int, int] = {}
+    for i, (unit, owner) in enumerate(zip(units, owners)):
+        if buckets and load.get(owner, 0) + unit.total_bytes <= bucket_bytes:
+            buckets[-1] += (i,)
+            load[owner] = load.get(owner, 0) + unit.total_bytes
+        else:
+            buckets.append((i,))
+            load = {owner: unit.total_bytes}
+    return Plan(tuple(units), tuple(owners), tuple(buckets), size, 1)
 
 
 def ready_buckets(units: Sequence[Unit], costs: Sequence[float], size: int,
@@ -516,6 +553,25 @@ def exchange_groups(layouts: Sequence[Layout], wires: Sequence[str]) -> list[lis
     for i, (layout, wire) in enumerate(zip(layouts, wires)):
         groups.setdefault((-layout.size, layout.group_ranks, layout.replicas, wire), []).append(i)
     return [groups[key] for key in sorted(groups)]
+
+
+def exchange_plans(units: Sequence[Unit], wires: Sequence[str], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                   flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE,
+                   ready_order: bool = False) -> list[tuple[list[int], Plan]]:
+    """The units each orthogonalized whole by one owner, grouped as the engine runs them: the
+    planned exchange of each exchange group (:func:`make_plan`), then the pieces exchange of
+    each (:func:`pieces_plan`); per group, its unit indices and its plan."""
+    plans = []
+    for pieces in (False, True):
+        kind = [i for i, u in enumerate(units) if u.layout.pieces == pieces]
+        for members in exchange_groups([units[i].layout for i in kind], [wires[i] for i in kind]):
+            indices = [kind[j] for j in members]
+            chosen = [units[i] for i in indices]
+            layout = chosen[0].layout
+            plans.append((indices, pieces_plan(chosen, layout.size, bucket_bytes) if pieces else make_plan(
+                chosen, layout.size, layout.replicas, bucket_bytes=bucket_bytes, flops_per_byte=flops_per_byte,
+                ready_order=ready_order)))
+    return plans
 
 
 def column_blocks_fit(layout: Layout) -> bool:

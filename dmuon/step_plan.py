@@ -40,7 +40,7 @@ from dmuon.planner import (
     column_block_cost,
     column_blocks_fit,
     exchange_groups,
-    make_plan,
+    exchange_plans,
 )
 from dmuon.routing import block_rows, matrix_shape
 from dmuon.strategies.base import Block, MatrixWork, Strategy, return_dtype, unit_of, wire_dtype
@@ -185,19 +185,16 @@ class StepPlanner:
     def _exchange_groups(self, works: Sequence[MatrixWork]) -> list[list[int]]:
         return exchange_groups([w.layout for w in works], [self._wire(w) for w in works])
 
-    @staticmethod
-    def _planned(work: MatrixWork) -> bool:
-        return not (work.layout.pieces or work.column_blocks or work.gang)
+    def _whole(self, works: Sequence[MatrixWork]) -> list[tuple[list[int], Plan]]:
+        """Of ``works`` (each orthogonalized whole by one owner), the index and plan of each
+        planned or pieces exchange (:func:`dmuon.planner.exchange_plans`)."""
+        return exchange_plans([self._unit(w) for w in works], [self._wire(w) for w in works],
+                              bucket_bytes=self.bucket_bytes, flops_per_byte=self.flops_per_byte,
+                              ready_order=self.ready_order)
 
     def exchange_plans(self, works: Sequence[MatrixWork]) -> list[Plan]:
-        """The plan of each exchange group of the planned exchange (other strategies have none)."""
-        planned = [w for w in works if self._planned(w)]
-        return [self._exchange_plan([planned[i] for i in members]) for members in self._exchange_groups(planned)]
-
-    def _exchange_plan(self, works: Sequence[MatrixWork]) -> Plan:
-        layout = works[0].layout
-        return make_plan([self._unit(w) for w in works], layout.size, layout.replicas, bucket_bytes=self.bucket_bytes,
-                         flops_per_byte=self.flops_per_byte, ready_order=self.ready_order)
+        """The plan of each planned or pieces exchange (gangs and column blocks have none)."""
+        return [plan for _, plan in self._whole([w for w in works if not (w.gang or w.column_blocks)])]
 
     def strategies(self, works: Sequence[MatrixWork], device: torch.device) -> tuple[Strategy, ...]:
         """The strategies for ``works``, in the order every rank runs them: gangs first, then
@@ -212,17 +209,12 @@ class StepPlanner:
         for members in self._exchange_groups([works[i] for i in split]):
             indices = [split[i] for i in members]
             strategies.append(Gangs(indices, [works[i] for i in indices], device))
-        planned = subset(self._planned)
-        for members in self._exchange_groups([works[i] for i in planned]):
-            indices = [planned[i] for i in members]
+        whole = subset(lambda w: not (w.gang or w.column_blocks))
+        for members, plan in self._whole([works[i] for i in whole]):
+            indices = [whole[i] for i in members]
             chosen = [works[i] for i in indices]
-            strategies.append(PlannedExchange(indices, chosen, self._exchange_plan(chosen), device))
-        pieces = subset(lambda w: w.layout.pieces and not w.column_blocks)
-        for members in self._exchange_groups([works[i] for i in pieces]):
-            indices = [pieces[i] for i in members]
-            chosen = [works[i] for i in indices]
-            strategies.append(PiecesExchange(indices, chosen, [self._unit(w) for w in chosen], self.bucket_bytes,
-                                             device))
+            exchange = PiecesExchange if chosen[0].layout.pieces else PlannedExchange
+            strategies.append(exchange(indices, chosen, plan, device))
         columns = subset(lambda w: w.column_blocks)
         if columns:
             strategies.append(ColumnBlocks(columns, [works[i] for i in columns]))

@@ -11,8 +11,9 @@ A rank's piece of a tensor is the outer product of one index list per dimension:
 (:func:`dmuon.layout.piece_index_lists`, which cuts tensors of indices as DTensor cuts the
 parameter, so the pieces follow DTensor's own rules). The ranks exchange their lists once, at
 the first step; where a replicated mesh dimension gives ranks the same piece, the first of them
-sends it. Owners are balanced by Newton–Schulz FLOPs (LPT); buckets of at most ``bucket_bytes``
-of input per owner bound the memory, and run one after the other.
+sends it. Owners and buckets come from :func:`dmuon.planner.pieces_plan`: owners balanced by
+Newton–Schulz FLOPs (LPT), buckets of at most ``bucket_bytes`` of input per owner that bound the
+memory and run one after the other.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from dmuon.exchange import all_gather_object, start_all_to_all
 from dmuon.layout import piece_index_lists
-from dmuon.planner import Unit, balance_owners
+from dmuon.planner import Plan
 from dmuon.strategies.base import Context, MatrixWork, StepIO, batches_of
 
 IndexLists = tuple[Tensor, ...]  # one per dimension of a work's global shape
@@ -47,33 +48,16 @@ def _grid(lists: IndexLists) -> tuple[Tensor, ...]:
     return tuple(index.view([-1 if d == i else 1 for d in range(len(lists))]) for i, index in enumerate(lists))
 
 
-def buckets_by_owner(nbytes: Sequence[int], owners: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive runs of works in which no owner receives more than ``bucket_bytes`` (a work
-    larger than that alone in its bucket)."""
-    buckets: list[list[int]] = []
-    load: dict[int, int] = {}
-    for u, (size, owner) in enumerate(zip(nbytes, owners)):
-        if buckets and load.get(owner, 0) + size <= bucket_bytes:
-            buckets[-1].append(u)
-            load[owner] = load.get(owner, 0) + size
-        else:
-            buckets.append([u])
-            load = {owner: size}
-    return buckets
-
-
 class PiecesExchange:
     """The works of one exchange group whose pieces are not row chunks (see the module's docstring)."""
 
-    def __init__(self, indices: Sequence[int], works: Sequence[MatrixWork], units: Sequence[Unit],
-                 bucket_bytes: int, device: torch.device) -> None:
-        self.indices, self.works, self.units = list(indices), list(works), list(units)
+    def __init__(self, indices: Sequence[int], works: Sequence[MatrixWork], plan: Plan,
+                 device: torch.device) -> None:
+        self.indices, self.works, self.plan = list(indices), list(works), plan
         self.device = device
-        self.size = works[0].layout.size
+        self.size = plan.size
         self.me = works[0].layout.group_ranks.index(dist.get_rank())
-        self.owners, _ = balance_owners([u.flops for u in units], [u.name for u in units], self.size)
-        nbytes = [math.prod(u.layout.shape) * u.itemsize for u in units]
-        self.buckets = buckets_by_owner(nbytes, self.owners, bucket_bytes)
+        self.owners, self.buckets = plan.owners, plan.buckets
         self.lists: list[list[IndexLists]] | None = None  # per work, per position: found at the first run
         self.senders: list[list[int]] = []  # per work: the positions whose piece its owner receives
 
@@ -121,7 +105,7 @@ class PiecesExchange:
                 put(whole, lists[u][p], next(received[p]))
             wholes[u] = whole.reshape(work.count, work.m, work.n)
         updates = ctx.orthogonalize_whole(wholes, self.works, batches_of(owned, self.works),
-                                          sum(self.units[u].flops for u in owned))
+                                          sum(self.plan.units[u].flops for u in owned))
         # back: every rank's piece of each owned update (its own too), in the update's return dtype
         back = ctx.return_dtype(self.works[bucket[0]])
         returns = [[take(updates[u].reshape(self.works[u].layout.shape), lists[u][p]) for u in owned]

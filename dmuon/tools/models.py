@@ -22,6 +22,7 @@ from torch import nn
 __all__ = [
     "LlamaConfig",
     "PRESETS",
+    "MOE_PRESETS",
     "get_config",
     "param_count",
     "Llama",
@@ -36,7 +37,12 @@ class LlamaConfig:
     ``head_dim`` is explicit rather than ``dim // n_heads`` because some real
     models (e.g. Gemma, Qwen3) have an attention width ``n_heads * head_dim``
     different from ``dim``, which makes ``q_proj``/``o_proj`` non-square.
-    Each block holds ``attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``.
+    Each block holds ``attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``; with
+    ``n_experts`` (a mixture of experts, as Qwen3-MoE: every block's MLP is one, no shared
+    expert) its MLP is a router ``mlp.router`` (n_experts × dim) and three expert stacks
+    ``mlp.experts.{gate,up,down}_proj`` of ``n_experts`` matrices each, ``expert_ffn_dim``
+    wide, of which each token uses ``experts_per_token``. Only ``dmuon plan`` models those;
+    :class:`Llama` builds dense configs.
     """
 
     vocab_size: int
@@ -50,6 +56,9 @@ class LlamaConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    n_experts: int = 0  # 0: dense MLPs
+    expert_ffn_dim: int = 0
+    experts_per_token: int = 0
 
     def __post_init__(self) -> None:
         sizes = ("vocab_size", "dim", "ffn_dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "max_seq_len")
@@ -60,6 +69,9 @@ class LlamaConfig:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.n_experts and not (self.expert_ffn_dim >= 1 and 1 <= self.experts_per_token <= self.n_experts):
+            raise ValueError(f"a mixture of experts needs expert_ffn_dim >= 1 and 1 <= experts_per_token <= n_experts "
+                             f"({self.n_experts}); got {self.expert_ffn_dim} and {self.experts_per_token}")
 
 
 PRESETS: dict[str, LlamaConfig] = {
@@ -99,26 +111,55 @@ PRESETS: dict[str, LlamaConfig] = {
 }
 
 
+# Mixtures of experts, for ``dmuon plan`` (real shapes of public checkpoints).
+MOE_PRESETS: dict[str, LlamaConfig] = {
+    "qwen3-30b-a3b": LlamaConfig(
+        vocab_size=151936, dim=2048, ffn_dim=6144, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+        max_seq_len=40960, tie_embeddings=False, norm_eps=1e-6, rope_theta=1e6,
+        n_experts=128, expert_ffn_dim=768, experts_per_token=8,
+    ),
+}
+
+
 def get_config(name: str, **overrides: object) -> LlamaConfig:
-    """Return preset ``name``, with fields replaced by ``overrides`` (e.g. ``n_layers=2``).
+    """Return preset ``name`` (of :data:`PRESETS` or :data:`MOE_PRESETS`), with fields replaced by
+    ``overrides`` (e.g. ``n_layers=2``).
 
     Shrinking the depth of a real shape keeps every matrix shape real while
     making the model small enough to instantiate in a test.
     """
+    presets = {**PRESETS, **MOE_PRESETS}
     try:
-        config = PRESETS[name]
+        config = presets[name]
     except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; valid names: {', '.join(PRESETS)}") from None
+        raise ValueError(f"unknown model preset {name!r}; valid names: {', '.join(presets)}") from None
     return dataclasses.replace(config, **overrides)
 
 
-def matrix_shapes(config: LlamaConfig) -> list[tuple[str, int, int]]:
-    """(name, rows, columns) of every Muon matrix: the q/k/v/o and gate/up/down weights of each
-    block (``nn.Linear`` weights are out×in). Embeddings, head and norms go to AdamW."""
+def muon_units(config: LlamaConfig) -> list[tuple[str, int, int, int]]:
+    """(name, matrices, rows, columns) of every Muon parameter, in the model's order: each
+    block's q/k/v/o weights, then its gate/up/down weights (``nn.Linear`` weights are out×in) or,
+    in a mixture of experts, its router and its three expert stacks. Embeddings, head and norms
+    go to AdamW."""
     q, kv, d, f = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.dim, config.ffn_dim
-    shapes = {"attn.q_proj": (q, d), "attn.k_proj": (kv, d), "attn.v_proj": (kv, d), "attn.o_proj": (d, q),
-              "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
-    return [(f"layers.{i}.{name}.weight", m, n) for i in range(config.n_layers) for name, (m, n) in shapes.items()]
+    block = {"attn.q_proj.weight": (1, q, d), "attn.k_proj.weight": (1, kv, d), "attn.v_proj.weight": (1, kv, d),
+             "attn.o_proj.weight": (1, d, q)}
+    if config.n_experts:
+        e, g = config.n_experts, config.expert_ffn_dim
+        block.update({"mlp.router.weight": (1, e, d), "mlp.experts.gate_proj": (e, g, d),
+                      "mlp.experts.up_proj": (e, g, d), "mlp.experts.down_proj": (e, d, g)})
+    else:
+        block.update({"mlp.gate_proj.weight": (1, f, d), "mlp.up_proj.weight": (1, f, d),
+                      "mlp.down_proj.weight": (1, d, f)})
+    return [(f"layers.{i}.{name}", *shape) for i in range(config.n_layers) for name, shape in block.items()]
+
+
+def matrix_shapes(config: LlamaConfig) -> list[tuple[str, int, int]]:
+    """(name, rows, columns) of every Muon matrix of a dense config (:func:`muon_units`, one
+    matrix each)."""
+    if config.n_experts:
+        raise ValueError("a mixture of experts has stacks of matrices: use muon_units")
+    return [(name, m, n) for name, _, m, n in muon_units(config)]
 
 
 def param_count(config: LlamaConfig) -> int:
@@ -126,10 +167,9 @@ def param_count(config: LlamaConfig) -> int:
 
     Lets benchmarks and planners size the real presets without allocating them.
     """
-    d, q_out, kv_out = config.dim, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    attention = d * q_out + 2 * d * kv_out + q_out * d
-    mlp = 3 * d * config.ffn_dim
-    block = attention + mlp + 2 * d  # two RMSNorm weights
+    d = config.dim
+    block = sum(count * m * n for _, count, m, n in muon_units(dataclasses.replace(config, n_layers=1)))
+    block += 2 * d  # two RMSNorm weights
     embeddings = config.vocab_size * d * (1 if config.tie_embeddings else 2)
     return embeddings + config.n_layers * block + d  # final norm
 
@@ -231,6 +271,8 @@ class Llama(nn.Module):
 
     def __init__(self, config: LlamaConfig, seed: int = 0) -> None:
         super().__init__()
+        if config.n_experts:
+            raise ValueError("Llama builds dense configs; mixture-of-experts presets are for dmuon plan")
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))

@@ -123,7 +123,7 @@ def test_hsdp_split_decision_follows_the_cost_model():
 def test_table_lists_every_rank():
     plan = make_plan(llama_units("llama-3.1-8b", 4, layers=1), 4)
     table = plan.table()
-    assert table.count("\n") == 5 and "imbalance" in table
+    assert table.count("\n") == 6 and "imbalance" in table and table.startswith("exchange: row exchange")
 
 
 def test_bad_group_shape_raises():
