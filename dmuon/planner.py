@@ -293,27 +293,6 @@ def make_plan(
     return Plan(tuple(units), tuple(owners), tuple(buckets), size, replicas)
 
 
-def pieces_plan(units: Sequence[Unit], size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
-    """The plan of a pieces exchange (:mod:`dmuon.strategies.pieces`): owners balanced by
-    Newton–Schulz FLOPs alone (LPT; every owner receives its matrices' pieces from all the ranks
-    that hold them, so bytes do not tell owners apart), and buckets of consecutive units in which
-    no owner receives more than ``bucket_bytes`` (a unit larger than that alone in its bucket).
-    Bytes per position count each rank's share of a unit as an even split of it."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"Invalid {bucket_bytes=}. Must be > 0.")
-    owners, _ = balance_owners([u.flops for u in units], [u.name for u in units], size)
-    buckets: list[tuple[int, ...]] = []
-    load: dict[int, int] = {}
-    for i, (unit, owner) in enumerate(zip(units, owners)):
-        if buckets and load.get(owner, 0) + unit.total_bytes <= bucket_bytes:
-            buckets[-1] += (i,)
-            load[owner] = load.get(owner, 0) + unit.total_bytes
-        else:
-            buckets.append((i,))
-            load = {owner: unit.total_bytes}
-    return Plan(tuple(units), tuple(owners), tuple(buckets), size, 1)
-
-
 def ready_buckets(units: Sequence[Unit], costs: Sequence[float], size: int,
                   bucket_bytes: int) -> tuple[list[int], list[tuple[int, ...]]]:
     """Early start's plan: buckets in the order the backward pass finishes gradients (the units'
@@ -559,18 +538,18 @@ def exchange_plans(units: Sequence[Unit], wires: Sequence[str], *, bucket_bytes:
                    flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE,
                    ready_order: bool = False) -> list[tuple[list[int], Plan]]:
     """The units each orthogonalized whole by one owner, grouped as the engine runs them: the
-    planned exchange of each exchange group (:func:`make_plan`), then the pieces exchange of
-    each (:func:`pieces_plan`); per group, its unit indices and its plan."""
+    planned exchange of each exchange group, then the pieces exchange of each (an owner
+    receives a whole unit either way, so both plan alike: :func:`make_plan`); per group, its
+    unit indices and its plan."""
     plans = []
     for pieces in (False, True):
         kind = [i for i, u in enumerate(units) if u.layout.pieces == pieces]
         for members in exchange_groups([units[i].layout for i in kind], [wires[i] for i in kind]):
             indices = [kind[j] for j in members]
-            chosen = [units[i] for i in indices]
-            layout = chosen[0].layout
-            plans.append((indices, pieces_plan(chosen, layout.size, bucket_bytes) if pieces else make_plan(
-                chosen, layout.size, layout.replicas, bucket_bytes=bucket_bytes, flops_per_byte=flops_per_byte,
-                ready_order=ready_order)))
+            layout = units[indices[0]].layout
+            plans.append((indices, make_plan([units[i] for i in indices], layout.size, layout.replicas,
+                                             bucket_bytes=bucket_bytes, flops_per_byte=flops_per_byte,
+                                             ready_order=ready_order)))
     return plans
 
 

@@ -11,8 +11,8 @@ A rank's piece of a tensor is the outer product of one index list per dimension:
 (:func:`dmuon.layout.piece_index_lists`, which cuts tensors of indices as DTensor cuts the
 parameter, so the pieces follow DTensor's own rules). The ranks exchange their lists once, at
 the first step; where a replicated mesh dimension gives ranks the same piece, the first of them
-sends it. Owners and buckets come from :func:`dmuon.planner.pieces_plan`: owners balanced by
-Newton–Schulz FLOPs (LPT), buckets of at most ``bucket_bytes`` of input per owner that bound the
+sends it. Owners and buckets come from the planner (:func:`dmuon.planner.make_plan`, as for the row
+exchange): owners by LPT, buckets of about ``bucket_bytes`` of input per owner that bound the
 memory and run one after the other.
 """
 

@@ -48,7 +48,6 @@ from dmuon.layout import Layout
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops, resolve_config
 from dmuon.planner import (
     DEFAULT_BUCKET_BYTES,
-    DEFAULT_FLOPS_PER_BYTE,
     Choices,
     MatrixOptions,
     Plan,
@@ -56,15 +55,20 @@ from dmuon.planner import (
     choose,
     column_block_cost,
     column_block_flops,
+    column_blocks_fit,
+    exchange_plans,
     gang_member_flops,
     gang_slice_elements,
     make_plan,
     plan_ownership,
 )
 from dmuon.tools.hardware import RING_BYTES, HardwareProfile
-from dmuon.tools.models import PRESETS, LlamaConfig, get_config, matrix_shapes, param_count
+from dmuon.tools.models import MOE_PRESETS, PRESETS, LlamaConfig, get_config, muon_units, param_count
 
 MODES = ("fsdp2", "ddp", "owner")
+# torchtitan's tensor-parallel plan for a Llama block: these weights column-wise (Shard(0) on the
+# tp dimension), o and down row-wise (Shard(1)); a mixture of experts' router stays replicated over tp
+COLUMN_WISE = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
 DEFAULT_TOKENS_PER_RANK = 8192
 DEFAULT_SEQ_LEN = 4096
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
@@ -140,21 +144,35 @@ def load_model_config(spec: str, layers: int | None = None) -> LlamaConfig:
     """A preset name (:data:`dmuon.tools.models.PRESETS`) or a path to a ``config.json``; ``layers``
     overrides the depth."""
     overrides = {"n_layers": layers} if layers else {}
-    if spec in PRESETS:
+    if spec in PRESETS or spec in MOE_PRESETS:
         return get_config(spec, **overrides)
     if not os.path.isfile(spec):
-        raise ValueError(f"{spec!r} is neither a model preset ({', '.join(PRESETS)}) nor a config.json file")
+        raise ValueError(f"{spec!r} is neither a model preset ({', '.join([*PRESETS, *MOE_PRESETS])}) nor a "
+                         "config.json file")
     with open(spec) as f:
         return dataclasses.replace(config_from_hf(json.load(f)), **overrides)
 
 
 def muon_params(config: LlamaConfig) -> int:
-    return sum(m * n for _, m, n in matrix_shapes(config))
+    return sum(count * m * n for _, count, m, n in muon_units(config))
+
+
+def expert_params(config: LlamaConfig) -> int:
+    """Parameters of the expert stacks (0 for a dense model)."""
+    return sum(count * m * n for name, count, m, n in muon_units(config) if ".experts." in name)
+
+
+def active_params(config: LlamaConfig) -> float:
+    """Parameters of the hidden matrices a token passes through: the experts it is routed to
+    (``experts_per_token`` of ``n_experts``), every other matrix."""
+    experts = expert_params(config)
+    return muon_params(config) - experts + experts * config.experts_per_token / max(config.n_experts, 1)
 
 
 def forward_backward_flops(config: LlamaConfig, tokens: int, seq_len: int) -> float:
-    """``6·P·T + 12·L·(heads·head_dim)·S·T`` (module docstring), P = hidden matrices + head."""
-    in_products = muon_params(config) + config.vocab_size * config.dim
+    """``6·P·T + 12·L·(heads·head_dim)·S·T`` (module docstring), P = hidden matrices a token
+    passes through (:func:`active_params`) + head."""
+    in_products = active_params(config) + config.vocab_size * config.dim
     attention = 12 * config.n_layers * config.n_heads * config.head_dim * seq_len
     return float(tokens) * (6 * in_products + attention)
 
@@ -186,10 +204,14 @@ class Workload:
     split: bool = True  # whether the planner may split matrices over gangs of ranks (dmuon's default)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ready_order: bool = False  # buckets in the backward pass's order (early start), not the cost order
+    tp: int = 1  # tensor-parallel ranks (torchtitan's plan: COLUMN_WISE, the rest row-wise)
+    pp: int = 1  # pipeline stages, each of world_size / pp ranks: FSDP2 over its dp × TP over its tp
+    ep: int = 1  # expert-parallel ranks: each stage's experts on an (ep, expert-FSDP) mesh of its ranks
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"Invalid mode={self.mode!r}. Must be one of {MODES}.")
+        self._check_parallelism()
         if self.world_size < 1 or self.tokens_per_rank < 1 or self.seq_len < 1:
             raise ValueError(f"Invalid workload: world_size={self.world_size}, tokens_per_rank="
                              f"{self.tokens_per_rank}, seq_len={self.seq_len}; all must be >= 1.")
@@ -199,6 +221,40 @@ class Workload:
             raise ValueError(f"Invalid MFU {self.model_flops_utilization!r} for {self.profile.name}: must be in "
                              "(0, 1]; the CPU profile has none, so pass Workload(mfu=...) there "
                              "(dmuon plan --hardware cpu measures it).")
+
+    def _check_parallelism(self) -> None:
+        tp, pp, ep, config = self.tp, self.pp, self.ep, self.config
+        if min(tp, pp, ep) < 1:
+            raise ValueError(f"Invalid parallelism tp={tp}, pp={pp}, ep={ep}: each must be >= 1.")
+        if (tp, pp, ep) != (1, 1, 1) and self.mode != "fsdp2":
+            raise ValueError(f"Invalid mode={self.mode!r} with tp={tp}, pp={pp}, ep={ep}: tensor, pipeline and expert "
+                             "parallel are modelled under fsdp2 only.")
+        if self.world_size % (tp * pp):
+            raise ValueError(f"Invalid world_size={self.world_size}: not a multiple of tp·pp = {tp * pp}.")
+        if pp > config.n_layers:
+            raise ValueError(f"Invalid pp={pp}: more pipeline stages than the model's {config.n_layers} layers.")
+        if ep > 1 and not config.n_experts:
+            raise ValueError(f"Invalid ep={ep}: the model has no experts.")
+        if self.group_size % ep or config.n_experts % ep:
+            raise ValueError(f"Invalid ep={ep}: it must divide a stage's {self.group_size} ranks and the "
+                             f"{config.n_experts} experts.")
+
+    @property
+    def group_size(self) -> int:
+        """Ranks of one pipeline stage: the ranks its optimizer exchanges over."""
+        return self.world_size // self.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel (FSDP2) ranks of a stage."""
+        return self.group_size // self.tp
+
+    @property
+    def stage_config(self) -> LlamaConfig:
+        """The first pipeline stage's share of the model (the most layers: ⌈L/pp⌉), whose
+        optimizer the plan describes; the stages differ only in names and in which holds the
+        embeddings and the head."""
+        return dataclasses.replace(self.config, n_layers=-(-self.config.n_layers // self.pp))
 
     @property
     def model_flops_utilization(self) -> float | None:
@@ -214,13 +270,40 @@ class Workload:
     def multi_node(self) -> bool:
         return self.profile.ranks_per_node is not None and self.world_size > self.profile.ranks_per_node
 
-    def layout(self, shape: tuple[int, int]) -> Layout:
-        """How the mode stores a Muon matrix: DDP replicates it, FSDP2 (and, for the plan's
-        owners, owner mode) shards its rows over all ranks."""
-        ranks = tuple(range(self.world_size))
+    def layout(self, name: str, shape: tuple[int, ...], rank: int = 0) -> Layout:
+        """How the job stores a Muon parameter of the first stage (a matrix, or an (E, m, n)
+        stack of experts), as :func:`dmuon.layout.detect_layout` describes it (on ``rank`` of the
+        stage, for stacks each rank holds whole). DDP replicates a matrix; FSDP2 (and, for the
+        plan's owners, owner mode) shards its rows over the stage's data-parallel ranks; with
+        tensor parallel, a column-wise matrix is ``(_StridedShard(0), Shard(0))`` on the (dp, tp)
+        mesh (its rows partitioned), a row-wise one ``(Shard(0), Shard(1))`` (2-D blocks), the
+        router ``(Shard(0), Replicate())``: all three go through the pieces exchange; without
+        FSDP2 (dp = 1) they are 1-D ``Shard(0)``, ``Shard(1)`` and replicated."""
+        ranks = tuple(range(self.group_size))
         if self.mode == "ddp":
             return Layout(shape, self.world_size, 1, ranks)
-        return Layout(shape, 1, self.world_size, ranks)
+        if len(shape) == 3:
+            return self._expert_layout(shape, rank)
+        kind = name.split(".")[-2]
+        if self.tp == 1:
+            return Layout(shape, 1, self.group_size, ranks)
+        if self.dp > 1:
+            return Layout(shape, 1, self.group_size, ranks, pieces=True, rows_partitioned=kind in COLUMN_WISE)
+        if kind in COLUMN_WISE:
+            return Layout(shape, 1, self.tp, ranks)
+        if kind == "router":
+            return Layout(shape, self.tp, 1, ranks)
+        return Layout((shape[1], shape[0]), 1, self.tp, ranks, transposed=True)
+
+    def _expert_layout(self, shape: tuple[int, ...], rank: int) -> Layout:
+        """Experts split over ``ep`` (``Shard(0)``), each EP rank's experts stored over the
+        stage's other ranks (expert FSDP) on dim 0 where they split evenly, else on dim 1 (as
+        torchtitan stores them): whole matrices on every rank, which it orthogonalizes itself,
+        or pieces."""
+        experts, efsdp = shape[0], self.group_size // self.ep
+        if (experts // self.ep) % efsdp == 0:
+            return Layout((experts // self.group_size, *shape[1:]), 1, 1, (rank,))
+        return Layout(shape, 1, self.group_size, tuple(range(self.group_size)), pieces=True)
 
 
 def ns_config(m: int, n: int, device_type: str) -> NSConfig:
@@ -228,17 +311,27 @@ def ns_config(m: int, n: int, device_type: str) -> NSConfig:
     return resolve_config((m, n), device_type)
 
 
-def _units(workload: Workload) -> tuple[list[Unit], list[NSConfig]]:
+def _units(workload: Workload, rank: int = 0) -> tuple[list[Unit], list[NSConfig]]:
+    """The first stage's Muon parameters as units (on ``rank`` of the stage), and their recipes."""
     units, configs = [], []
-    for name, m, n in matrix_shapes(workload.config):
+    for name, count, m, n in muon_units(workload.stage_config):
+        layout = workload.layout(name, (count, m, n) if ".experts." in name else (m, n), rank)
+        count, m, n = (1, *layout.shape) if len(layout.shape) == 2 else layout.shape  # what NS sees
         config = ns_config(m, n, workload.profile.device_type)
-        flops = newton_schulz_flops(m, n, steps=config.steps, method=config.method, restarts=config.restarts)
+        flops = count * newton_schulz_flops(m, n, steps=config.steps, method=config.method, restarts=config.restarts)
         # the update goes back in Newton–Schulz's dtype where that is narrower (exact: dmuon's
         # MatrixWork.narrow_return), a bf16 wire stays bf16
-        units.append(Unit(name, workload.layout((m, n)), 1, m, n, workload.wire_itemsize, flops,
+        units.append(Unit(name, layout, count, m, n, workload.wire_itemsize, flops,
                           min(workload.wire_itemsize, config.dtype.itemsize)))
         configs.append(config)
     return units, configs
+
+
+def _wire(unit: Unit) -> str:
+    """The wire dtypes as dmuon.Muon names them (an exchange group never mixes them)."""
+    dtypes = {1: "torch.float8_e4m3fn", 2: "torch.bfloat16", 4: "torch.float32"}
+    there, back = dtypes[unit.itemsize], dtypes[unit.back_itemsize]
+    return there if back == there else f"{there}>{back}"
 
 
 def _replicas(workload: Workload) -> int:
@@ -246,23 +339,10 @@ def _replicas(workload: Workload) -> int:
 
 
 def _plan(units: list[Unit], workload: Workload) -> Plan:
-    owners = None
-    if workload.mode == "owner":
-        owners = plan_ownership([u.name for u in units], [u.flops for u in units],
-                                [u.m * u.n * workload.wire_itemsize for u in units], workload.world_size)
+    owners = plan_ownership([u.name for u in units], [u.flops for u in units],
+                            [u.m * u.n * workload.wire_itemsize for u in units], workload.world_size)
     return make_plan(units, workload.world_size, _replicas(workload), bucket_bytes=workload.bucket_bytes,
-                     flops_per_byte=0.0 if owners else DEFAULT_FLOPS_PER_BYTE, owners=owners,
-                     ready_order=workload.ready_order)
-
-
-def build_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...]]:
-    """dmuon's plan for the workload's Muon matrices, each whole on one owner, and the NS recipe
-    of each unit.
-
-    Owner mode takes the owners ``dmuon.shard_by_owner`` picks; its optimizer moves no bytes.
-    """
-    units, configs = _units(workload)
-    return _plan(units, workload), tuple(configs)
+                     flops_per_byte=0.0, owners=owners, ready_order=workload.ready_order)
 
 
 @dataclass(frozen=True)
@@ -297,17 +377,18 @@ class SplitUnit:
 
 
 def matrix_options(workload: Workload) -> list[MatrixOptions]:
-    """The workload's Muon matrices as :func:`dmuon.planner.choose` takes them, as ``dmuon.Muon``
-    would describe them: FSDP2's are Shard(0) DTensors, which may run distributed NS on their
-    column blocks (the transpose's: Gram side the columns)."""
+    """The first stage's Muon parameters as :func:`dmuon.planner.choose` takes them, as
+    ``dmuon.Muon`` would describe them: FSDP2's matrices are DTensors, which may run distributed
+    NS on their column blocks where each rank holds whole rows (the transpose's: Gram side the
+    columns) or whole columns; an unfused matrix with a process group may be split over a gang."""
     units, configs = _units(workload)
     options = []
     for unit, config in zip(units, configs):
         cost = None
-        if workload.mode == "fsdp2" and workload.world_size > 1:
+        if workload.mode == "fsdp2" and unit.count == 1 and column_blocks_fit(unit.layout):
             blocks = ns_config(unit.n, unit.m, workload.profile.device_type)
-            cost = column_block_cost(unit.count, unit.n, unit.m, blocks, workload.world_size)
-        options.append(MatrixOptions(unit, unit, config, "", cost, splittable=True))
+            cost = column_block_cost(unit.count, unit.n, unit.m, blocks, unit.layout.shards)
+        options.append(MatrixOptions(unit, unit, config, _wire(unit), cost, splittable=unit.count == 1))
     return options
 
 
@@ -320,19 +401,57 @@ def choices(workload: Workload) -> Choices:
                   ready_order=workload.ready_order, bucket_bytes=workload.bucket_bytes)
 
 
-def split_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...], tuple[SplitUnit, ...]]:
-    """dmuon's plan as ``dmuon.Muon`` makes it by default (:func:`choices`): the plan of the
-    matrices each owned whole and their recipes, and the matrices split over several ranks —
-    gangs first, then those on column blocks, the engine's order."""
-    units, configs = _units(workload)
+@dataclass(frozen=True)
+class StagePlan:
+    """dmuon's plan for one pipeline stage's optimizer (the whole model's without pipeline
+    parallel), as ``dmuon.Muon`` makes it by default (:func:`choices`): the plan of each group of
+    matrices owned whole, with their Newton–Schulz recipes, in the engine's order (planned
+    exchanges, then pieces exchanges); and the matrices split over several ranks — gangs first,
+    then those on column blocks."""
+
+    groups: tuple[tuple[Plan, tuple[NSConfig, ...]], ...]
+    split: tuple[SplitUnit, ...]
+
+    @property
+    def plans(self) -> list[Plan]:
+        return [plan for plan, _ in self.groups]
+
+    @property
+    def units(self) -> list[Unit]:
+        """Every unit of the stage (on one rank: a stack each rank holds whole counts once)."""
+        return [u for plan in self.plans for u in plan.units] + [s.unit for s in self.split]
+
+    @property
+    def configs(self) -> list[NSConfig]:
+        return [c for _, configs in self.groups for c in configs] + [s.config for s in self.split]
+
+
+def stage_plan(workload: Workload, rank: int = 0) -> StagePlan:
+    """:class:`StagePlan` of the workload's first stage, as ``rank`` of it plans it (the plans of
+    the stacks each rank holds whole name that rank). Owner mode takes the owners
+    ``dmuon.shard_by_owner`` picks; its optimizer moves no bytes."""
+    units, configs = _units(workload, rank)
     chosen = choices(workload)
-    everyone = tuple(range(workload.world_size))
     split = tuple(SplitUnit(units[i], configs[i], chosen.gangs[i]) for i in sorted(chosen.gangs))
     split += tuple(SplitUnit(dataclasses.replace(units[i], m=units[i].n, n=units[i].m),
-                             ns_config(units[i].n, units[i].m, workload.profile.device_type), everyone, True)
+                             ns_config(units[i].n, units[i].m, workload.profile.device_type),
+                             tuple(range(units[i].layout.size)), True)
                    for i in sorted(chosen.column_blocks))
     rest = [i for i in range(len(units)) if i not in chosen.gangs and i not in chosen.column_blocks]
-    return _plan([units[i] for i in rest], workload), tuple(configs[i] for i in rest), split
+    if workload.mode == "owner":
+        return StagePlan(((_plan([units[i] for i in rest], workload), tuple(configs[i] for i in rest)),), split)
+    groups = exchange_plans([units[i] for i in rest], [_wire(units[i]) for i in rest],
+                            bucket_bytes=workload.bucket_bytes, ready_order=workload.ready_order)
+    return StagePlan(tuple((plan, tuple(configs[rest[i]] for i in members)) for members, plan in groups), split)
+
+
+def build_plan(workload: Workload) -> tuple[Plan, tuple[NSConfig, ...]]:
+    """The plan of a data-parallel workload's Muon matrices, each whole on one owner (one
+    exchange group), and the NS recipe of each unit."""
+    groups = stage_plan(dataclasses.replace(workload, split=False)).groups
+    if len(groups) != 1:
+        raise ValueError(f"the workload's matrices form {len(groups)} exchange groups: use stage_plan")
+    return groups[0]
 
 
 # ---------------------------------------------------------------------------- phase costs
@@ -384,10 +503,13 @@ def data_parallel_collectives(workload: Workload, mode: str | None = None) -> li
 
     FSDP2: all-gathers of the parameters in the training dtype (forward, and again in backward)
     and a reduce-scatter of fp32 gradients (torchtitan's default mixed precision), one of each
-    per block plus the root's; DDP: an fp32 all-reduce in 25 MiB buckets; owner mode: each Muon
-    matrix broadcast from its owner in the training dtype and its gradient reduced to the owner
-    in fp32 (priced as a ring all-gather and reduce-scatter: (N−1)/N·P bytes each), the rest
-    as FSDP2.
+    per block plus the root's; with tensor, pipeline and expert parallel, of the rank's stage's
+    parameters over its data-parallel ranks (its experts' over the expert-FSDP ranks). DDP: an
+    fp32 all-reduce in 25 MiB buckets; owner mode: each Muon matrix broadcast from its owner in
+    the training dtype and its gradient reduced to the owner in fp32 (priced as a ring
+    all-gather and reduce-scatter: (N−1)/N·P bytes each), the rest as FSDP2. Tensor parallel's
+    own collectives, expert parallel's token all-to-alls and the pipeline's sends are not
+    counted.
     """
     mode = mode or workload.mode
     n, config = workload.world_size, workload.config
@@ -396,16 +518,20 @@ def data_parallel_collectives(workload: Workload, mode: str | None = None) -> li
     total = param_count(config)
     train = torch.empty(0, dtype=workload.profile.train_dtype).element_size()
     if mode == "ddp":
-        full = [("all_reduce", total * 4, -(-total * 4 // DDP_BUCKET_BYTES))]
-    else:
-        sharded = total if mode == "fsdp2" else total - muon_params(config)
-        groups = config.n_layers + 1
-        full = [("all_gather", 2 * sharded * train, 2 * groups), ("reduce_scatter", sharded * 4, groups)]
-        if mode == "owner":
-            matrices = len(matrix_shapes(config))
-            full += [("all_gather", muon_params(config) * train, matrices),
-                     ("reduce_scatter", muon_params(config) * 4, matrices)]
-    return [(kind, RING_BYTES[kind](n) * nbytes, calls) for kind, nbytes, calls in full]
+        return [("all_reduce", RING_BYTES["all_reduce"](n) * total * 4, -(-total * 4 // DDP_BUCKET_BYTES))]
+    groups = workload.stage_config.n_layers + 1
+    experts = expert_params(config) / workload.pp / workload.ep
+    dense = total - expert_params(config) - (muon_params(config) if mode == "owner" else 0)
+    full = [(dense / workload.pp / workload.tp, workload.dp), (experts, workload.group_size // workload.ep)]
+    collectives = [(kind, RING_BYTES[kind](ranks) * nbytes, calls)
+                   for params, ranks in full if params and ranks > 1
+                   for kind, nbytes, calls in (("all_gather", 2 * params * train, 2 * groups),
+                                               ("reduce_scatter", params * 4, groups))]
+    if mode == "owner":
+        matrices = len(muon_units(config))
+        collectives += [(kind, RING_BYTES[kind](n) * nbytes, matrices) for kind, nbytes in
+                        (("all_gather", muon_params(config) * train), ("reduce_scatter", muon_params(config) * 4))]
+    return collectives
 
 
 def data_parallel_seconds(workload: Workload, mode: str | None = None) -> float:
@@ -418,16 +544,20 @@ def data_parallel_seconds(workload: Workload, mode: str | None = None) -> float:
 def data_parallel_copy_seconds(workload: Workload, mode: str | None = None) -> float:
     """Element-wise copies the data-parallel wrapper adds to forward+backward: FSDP2 copies
     all-gathered parameters out (forward and backward) and gradients into the reduce-scatter
-    buffer (24 bytes per parameter it manages); DDP copies gradients into and out of its
-    buckets (16 bytes per parameter)."""
+    buffer (24 bytes per parameter it gathers: its stage's, its tensor-parallel and
+    expert-parallel share of them); DDP copies gradients into and out of its buckets (16 bytes
+    per parameter)."""
     mode = mode or workload.mode
     if workload.world_size == 1:
         return 0.0
-    total = param_count(workload.config)
+    config = workload.config
+    total = param_count(config)
     if mode == "ddp":
         return memory_seconds(DDP_COPY_BYTES * total, workload)
-    sharded = total if mode == "fsdp2" else total - muon_params(workload.config)
-    return memory_seconds(FSDP_COPY_BYTES * sharded, workload)
+    experts = expert_params(config)
+    dense = total - experts - (muon_params(config) if mode == "owner" else 0)
+    gathered = (dense / workload.tp + experts / workload.ep) / workload.pp
+    return memory_seconds(FSDP_COPY_BYTES * gathered, workload)
 
 
 def exposed_step_seconds(compute: float, communication: float, workload: Workload) -> float:
@@ -460,20 +590,21 @@ def vanilla_muon_step_seconds(workload: Workload, mode: str) -> float:
     every matrix with standard NS in bf16; under FSDP2 it first all-gathers each matrix (one
     bf16 all-gather per matrix: the least DTensor can move), one matrix after the other.
     Momentum, NS input and apply on the local rows (DDP: whole matrices); AdamW on the rest."""
-    matrices = matrix_shapes(workload.config)
+    matrices = muon_units(workload.stage_config)  # every rank of a stage steps the stage's matrices
     ns = 0.0
-    for _, m, n in matrices:
+    for _, count, m, n in matrices:
         config = resolve_config((m, n), workload.profile.device_type, method="standard", dtype=VANILLA_NS_DTYPE)
         flops = newton_schulz_flops(m, n, steps=config.steps, method="standard")
-        ns += ns_seconds(flops, config, workload) + memory_seconds(m * n * normalize_bytes(config.dtype), workload)
+        ns += count * (ns_seconds(flops, config, workload)
+                       + memory_seconds(m * n * normalize_bytes(config.dtype), workload))
     local_muon = local_params(muon_params(workload.config), workload, mode)
     elementwise = (check_seconds(local_muon, workload)
                    + memory_seconds(local_muon * (MOMENTUM_BYTES + NESTEROV_BYTES + APPLY_BYTES), workload))
     gather = 0.0
-    if mode != "ddp" and workload.world_size > 1:
+    if mode != "ddp" and workload.group_size > 1:
         bandwidth, latency = link(workload)
-        ring = (workload.world_size - 1) / workload.world_size
+        ring = (workload.group_size - 1) / workload.group_size
         bandwidth *= workload.profile.ring_efficiency("all_gather")
-        gather = sum(ring * m * n * 2 / bandwidth + latency for _, m, n in matrices)
+        gather = sum(ring * count * m * n * 2 / bandwidth + latency for _, count, m, n in matrices)
     adamw = adamw_seconds(local_params(adamw_params(workload.config), workload, mode), workload)
     return ns + elementwise + gather + adamw

@@ -1,11 +1,16 @@
 """``dmuon plan``: dmuon's plan for a model at N ranks, and the predicted cost of a step.
 
     dmuon plan --model llama-3.1-8b --world-size 512 --hardware h100 --mode fsdp2
+    dmuon plan --model qwen3-30b-a3b --world-size 256 --tp 8 --pp 4 --ep 8 --hardware h100
 
-prints how the Newton–Schulz work and the bytes spread over the ranks (every rank for small N,
-min/median/max beyond), then the predicted optimizer-step and step times of AdamW, vanilla
-distributed Muon and dmuon (:func:`dmuon.tools.simulate.predict`). ``--model`` takes a preset name or
-the path of a Hugging Face ``config.json``.
+prints how each kind of matrix is orthogonalized, how the Newton–Schulz work and the bytes
+spread over the ranks (every rank for small N, min/median/max beyond), the optimizer's memory,
+then the predicted optimizer-step and step times of AdamW, vanilla distributed Muon and dmuon
+(:func:`dmuon.tools.simulate.predict`). ``--model`` takes a preset name or the path of a Hugging
+Face ``config.json``. With ``--tp``/``--pp``/``--ep`` the job is torchtitan's layout: pipeline
+stages of world/pp ranks, each a (dp, tp) mesh with FSDP2 over dp and the block's matrices
+column- or row-wise over tp, experts over an (ep, expert-FSDP) mesh of the stage's ranks; the
+plan is the first stage's optimizer's (the stages differ in names only).
 """
 
 from __future__ import annotations
@@ -23,13 +28,13 @@ from dmuon.tools.costmodel import (
     DEFAULT_TOKENS_PER_RANK,
     MODES,
     Workload,
-    build_plan,
     load_model_config,
     measured_mfu,
     muon_params,
+    stage_plan,
 )
 from dmuon.tools.hardware import DEFAULT_GPU_MFU, HARDWARE_NAMES, HardwareProfile, get_profile, measure_one_rank_seconds
-from dmuon.tools.models import PRESETS, LlamaConfig, matrix_shapes, param_count
+from dmuon.tools.models import MOE_PRESETS, PRESETS, LlamaConfig, muon_units, param_count
 from dmuon.tools.simulate import Prediction, measured_elementwise_efficiency, predict
 
 PER_RANK_TABLE_MAX = 16  # world sizes up to this print one row per rank
@@ -42,8 +47,14 @@ MAX_LAYERS = 1024
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.1-8b",
-                        help=f"preset name ({', '.join(PRESETS)}) or path to a config.json (default: %(default)s)")
-    parser.add_argument("--world-size", type=positive_int, default=8, help="data-parallel ranks (default: %(default)s)")
+                        help=f"preset name ({', '.join([*PRESETS, *MOE_PRESETS])}) or path to a config.json "
+                             "(default: %(default)s)")
+    parser.add_argument("--world-size", type=positive_int, default=8,
+                        help="ranks in all: tp x pp x data-parallel ranks (default: %(default)s)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks (default: %(default)s)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (default: %(default)s)")
+    parser.add_argument("--ep", type=positive_int, default=1,
+                        help="expert-parallel ranks, within a stage (default: %(default)s)")
     parser.add_argument("--hardware", choices=HARDWARE_NAMES, default="h100",
                         help="GPU datasheet profile, or cpu (measured now, on this machine) (default: %(default)s)")
     parser.add_argument("--mode", choices=MODES, default="fsdp2",
@@ -71,11 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _model_config(spec: str, layers: int | None) -> LlamaConfig:
     """``--model``'s config, or a :class:`UsageError` that says what is wrong with it."""
-    if spec not in PRESETS and not os.path.isfile(spec):
+    if spec not in PRESETS and spec not in MOE_PRESETS and not os.path.isfile(spec):
         looks_like_a_path = spec.endswith(".json") or os.sep in spec
         what = "no such file" if looks_like_a_path else "unknown model"
-        raise UsageError("--model", f"invalid value {spec!r}: {what}; give a preset name ({', '.join(PRESETS)}) "
-                                    "or the path of a config.json")
+        raise UsageError("--model", f"invalid value {spec!r}: {what}; give a preset name "
+                                    f"({', '.join([*PRESETS, *MOE_PRESETS])}) or the path of a config.json")
     try:
         return load_model_config(spec, layers)
     except (OSError, ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
@@ -102,6 +113,13 @@ def check_arguments(args: argparse.Namespace) -> None:
     elif args.tokens_per_step < args.world_size:
         raise UsageError("--tokens-per-step", f"invalid value {args.tokens_per_step}: fewer than one token for "
                                               f"each of the {args.world_size} ranks")
+    try:  # tp, pp and ep against the world size, the mode and the model
+        Workload(config, args.world_size, args.mode, get_profile("h100"), tp=args.tp, pp=args.pp, ep=args.ep)
+    except ValueError as err:
+        raise UsageError("--tp/--pp/--ep", str(err)) from None
+    if args.hardware == "cpu" and config.n_experts:
+        raise UsageError("--hardware", f"cpu times a training step of dmuon's dense model, and {args.model} is a "
+                                       "mixture of experts: pick a GPU profile")
     if args.hardware == "cpu" and param_count(config) > CPU_MEASURE_MAX_PARAMS:
         raise UsageError("--hardware", f"cpu times one rank's training step, and {args.model} is too big for that "
                                        f"here ({param_count(config) / 1e9:.2f} B parameters, at most "
@@ -189,6 +207,18 @@ def predictions_table(p: Prediction, whole: Prediction | None = None) -> str:
     return "\n".join(lines)
 
 
+def strategies_table(p: Prediction, layers: int) -> str:
+    """How each kind of matrix of a stage is orthogonalized."""
+    lines = [f"{f'Muon parameters of a stage ({layers} layers)':<40} {'count':>6}  how"]
+    lines += [f"{kind:<40} {count:>6}  {how}" for kind, count, how in p.strategies]
+    return "\n".join(lines)
+
+
+def memory_lines(p: Prediction) -> str:
+    return (f"optimizer state per rank: dmuon {p.dmuon_state_gb:.2f} GB, AdamW {p.adamw_state_gb:.2f} GB; dmuon's "
+            f"exchange buffers at most {p.exchange_buffer_gb:.2f} GB (two buckets in flight)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Predict and print; ``args`` as :func:`check_arguments` left them."""
     config, tokens = args.config, args.tokens_per_step
@@ -201,19 +231,29 @@ def run(args: argparse.Namespace) -> int:
     if profile.device_type == "cpu":
         mfu, efficiency = measure_cpu_rank(config, tokens // args.world_size, args.seq_len, profile, args.mfu)
     workload = Workload(config, args.world_size, args.mode, profile, tokens // args.world_size, args.seq_len,
-                        mfu, efficiency, bucket_bytes=args.bucket_bytes, split=not args.no_split)
+                        mfu, efficiency, bucket_bytes=args.bucket_bytes, split=not args.no_split,
+                        tp=args.tp, pp=args.pp, ep=args.ep)
     prediction = predict(workload, args.model)
     whole = predict(replace(workload, split=False), args.model) if prediction.split_matrices else None
+    units = muon_units(config)
+    stacks = [count for name, count, _, _ in units if ".experts." in name]
+    in_stacks = f", {len(stacks)} of them stacks of {stacks[0]} experts" if stacks else ""
+    layout = (f", tp {args.tp} x pp {args.pp} x ep {args.ep}: stages of {workload.group_size} ranks, "
+              f"dp {workload.dp}" if (args.tp, args.pp, args.ep) != (1, 1, 1) else "")
     print(f"dmuon plan: {args.model} ({count_text(param_count(config))} parameters, "
-          f"{count_text(muon_params(config))} in {len(matrix_shapes(config))} Muon matrices), "
-          f"{args.world_size} x {profile.name}, {args.mode}")
+          f"{count_text(muon_params(config))} in {len(units)} Muon parameters{in_stacks}), "
+          f"{args.world_size} x {profile.name}, {args.mode}{layout}")
     print(f"tokens per step {tokens:,} ({workload.tokens_per_rank:,} per rank, sequences of {args.seq_len:,}); "
           f"Newton–Schulz: {prediction.ns_recipe}")
     print(f"hardware: {profile.source}\n")
-    if args.world_size <= PER_RANK_TABLE_MAX and args.mode != "owner" and not prediction.split_matrices:
-        print(build_plan(workload)[0].table() + "\n")
+    print(strategies_table(prediction, workload.stage_config.n_layers) + "\n")
+    plans = stage_plan(workload).plans
+    if (workload.group_size <= PER_RANK_TABLE_MAX and args.mode != "owner" and not prediction.split_matrices
+            and len(plans) == 1):
+        print(plans[0].table() + "\n")
     else:
         print(balance_summary(prediction) + "\n")
+    print(memory_lines(prediction))
     print(predictions_table(prediction, whole))
     if args.json:
         with open(args.json, "w") as f:

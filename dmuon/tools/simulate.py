@@ -52,11 +52,11 @@ from dmuon.tools.costmodel import (
     MOMENTUM_BYTES,
     NESTEROV_BYTES,
     SplitUnit,
+    StagePlan,
     Workload,
     adamw_params,
     adamw_seconds,
     adamw_step_seconds,
-    build_plan,
     check_seconds,
     compute_seconds,
     data_parallel_copy_seconds,
@@ -66,13 +66,15 @@ from dmuon.tools.costmodel import (
     link,
     local_params,
     memory_seconds,
+    muon_params,
     normalize_bytes,
     ns_prep_bytes,
     ns_seconds,
     pack_bytes,
-    split_plan,
+    stage_plan,
     vanilla_muon_step_seconds,
 )
+from dmuon.tools.models import param_count
 
 
 @dataclass
@@ -135,8 +137,8 @@ class BucketCost:
 
 
 def node_of(workload: Workload) -> Tensor:
-    """Node index of every rank (ranks fill nodes in order)."""
-    ranks = torch.arange(workload.world_size)
+    """Node index of every rank of the (first) stage (ranks fill nodes in order)."""
+    ranks = torch.arange(workload.group_size)
     per_node = workload.profile.ranks_per_node
     return ranks // per_node if per_node is not None else torch.zeros_like(ranks)
 
@@ -163,7 +165,7 @@ def bucket_costs(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload) 
     sends every other rank its rows. In owner mode the matrices already live on their owners:
     no collectives, and the owner does the momentum and apply of whole matrices.
     """
-    size, node = plan.size, node_of(workload)
+    size, node = plan.size, node_of(workload)[:plan.size]
     owner_mode = workload.mode == "owner"
     chunks, backs = chunk_vectors(plan), chunk_vectors(plan, returned=True)
     costs = []
@@ -208,13 +210,19 @@ def bucket_costs(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload) 
     return costs
 
 
-def before_exchange_seconds(plan: Plan, workload: Workload) -> Tensor:
+def stage_costs(stage: StagePlan, workload: Workload) -> list[BucketCost]:
+    """:func:`bucket_costs` of every group of the stage, in the engine's order."""
+    return [cost for plan, configs in stage.groups for cost in bucket_costs(plan, configs, workload)]
+
+
+def before_exchange_seconds(stage: StagePlan, workload: Workload) -> Tensor:
     """Per rank, before the first bucket: non-finite check of every local gradient, momentum of
     the local Muon elements (owner mode: done per matrix by its owner), AdamW on the rest."""
-    muon = torch.zeros(plan.size, dtype=torch.float64)
+    muon = torch.zeros(workload.group_size, dtype=torch.float64)
     if workload.mode != "owner":
-        for unit, chunk in zip(plan.units, chunk_vectors(plan)):
-            muon += (chunk // unit.itemsize).double()
+        for plan in stage.plans:  # a group of one rank's own stacks: every rank holds as many
+            for unit, chunk in zip(plan.units, chunk_vectors(plan)):
+                muon += (chunk // unit.itemsize).double()
     adamw_mode = "ddp" if workload.mode == "ddp" else "fsdp2"
     others = local_params(adamw_params(workload.config), workload, adamw_mode)
     check = check_seconds(others + muon, workload) + memory_seconds(MOMENTUM_BYTES * muon, workload)
@@ -246,13 +254,14 @@ class _Streams:
             self.now.clamp_(min=end)
 
 
-def simulate_optimizer_step(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload,
-                            costs: list[BucketCost] | None = None, split: tuple[SplitUnit, ...] = ()) -> Tensor:
+def simulate_optimizer_step(stage: StagePlan, workload: Workload, costs: list[BucketCost] | None = None) -> Tensor:
     """Seconds from the start of ``optimizer.step()`` to each rank's last applied update; of the
-    ``split`` matrices, those over gangs go first and those on column blocks last, as in the
-    engine."""
-    costs = bucket_costs(plan, configs, workload) if costs is None else costs
-    streams = _Streams(before_exchange_seconds(plan, workload) + gang_phase_seconds(split, workload), workload)
+    stage's split matrices, those over gangs go first and those on column blocks last, as in the
+    engine. The groups' buckets follow each other as one sequence (where the engine finishes one
+    group before it starts the next: a little optimistic where there are several)."""
+    costs = stage_costs(stage, workload) if costs is None else costs
+    split = stage.split
+    streams = _Streams(before_exchange_seconds(stage, workload) + gang_phase_seconds(split, workload), workload)
     if workload.world_size > 1:  # the all-reduce agreeing on skipped steps (blocking)
         profile = workload.profile
         streams.wait(streams.issue(None, profile.inter_latency if workload.multi_node else profile.intra_latency))
@@ -285,19 +294,19 @@ def measured_elementwise_efficiency(workload: Workload, optimizer_step: float, n
     step's element-wise phases as simulated at full rates, over what the measured step took
     beyond its Newton–Schulz calls (whose normalization and casts are therefore left out of
     the simulated side too). At most 1."""
-    alone = dataclasses.replace(workload, world_size=1, elementwise_efficiency=1.0)
-    plan, configs = build_plan(alone)
+    alone = dataclasses.replace(workload, world_size=1, elementwise_efficiency=1.0, split=False)
+    stage = stage_plan(alone)
     newton_schulz_modelled = sum(
         ns_seconds(u.flops, c, alone) + memory_seconds(u.count * u.m * u.n * normalize_bytes(c.dtype), alone)
-        for u, c in zip(plan.units, configs))
-    elementwise = simulate_optimizer_step(plan, configs, alone).max().item() - newton_schulz_modelled
+        for u, c in zip(stage.units, stage.configs))
+    elementwise = simulate_optimizer_step(stage, alone).max().item() - newton_schulz_modelled
     measured = optimizer_step - newton_schulz
     return min(1.0, elementwise / measured) if measured > 0 else 1.0
 
 
 def _row_shards(workload: Workload) -> int:
-    """Shards of each Muon matrix's rows: one under DDP (replicated), every rank otherwise."""
-    return 1 if workload.mode == "ddp" else workload.world_size
+    """Shards of each Muon matrix's rows: one under DDP (replicated), every rank of the stage otherwise."""
+    return 1 if workload.mode == "ddp" else workload.group_size
 
 
 def _distributed_ns_seconds(s: SplitUnit, workload: Workload) -> float:
@@ -369,7 +378,9 @@ def lower_bound_seconds(units: Sequence[Unit], configs: Sequence[NSConfig], work
     the hardware cannot overlap them."""
     peak = [compute_seconds(u.flops, c.dtype, workload) for u, c in zip(units, configs)]
     whole = workload.mode == "owner" or not workload.split
-    compute = max(sum(peak) / workload.world_size, max(peak, default=0.0) if whole else 0.0)
+    # a unit of a one-rank group is a stack each rank holds its own of: every rank has one
+    spread = sum(t * (workload.group_size if u.layout.size == 1 else 1) for u, t in zip(units, peak))
+    compute = max(spread / workload.group_size, max(peak, default=0.0) if whole else 0.0)
     communication = traffic.link_seconds(workload).max().item()
     if workload.profile.comm_overlaps_compute:
         return max(compute, communication)
@@ -384,6 +395,9 @@ class Prediction:
     mode: str
     hardware: str
     world_size: int
+    tp: int
+    pp: int
+    ep: int
     tokens_per_rank: int
     seq_len: int
     mfu: float
@@ -397,6 +411,10 @@ class Prediction:
     split_matrices: int  # split over gangs of ranks, or over the whole group on column blocks
     gang_size: int  # ranks per gang (0: no gang)
     column_block_matrices: int  # of those, on column blocks (distributed NS in place)
+    strategies: tuple[tuple[str, int, str], ...]  # (kind of matrix, parameters of that kind in a stage, how)
+    dmuon_state_gb: float  # optimizer state per rank
+    adamw_state_gb: float
+    exchange_buffer_gb: float  # dmuon's exchange buffers at most, per rank: two buckets in flight
     forward_backward_ms: float  # products alone, at the MFU
     data_parallel_comm_ms: float  # FSDP2 / DDP / owner-mode collectives of forward+backward
     adamw_opt_ms: float
@@ -438,26 +456,69 @@ def early_start_hidden(optimizer_step: float, after_backward: float, backward: f
     return max(0.0, min(optimizer_step - after_backward, workload.profile.backward_idle_fraction * backward))
 
 
-def after_backward_seconds(plan: Plan, configs: tuple[NSConfig, ...], workload: Workload,
-                           costs: list[BucketCost]) -> float:
+def after_backward_seconds(stage: StagePlan, workload: Workload, costs: list[BucketCost]) -> float:
     """What of early start's optimizer step follows the backward pass: the last bucket's step
     alone (its gradients are final only at the end) and the apply of the earlier buckets'
     held updates."""
     if not costs:
         return 0.0
-    last = simulate_optimizer_step(plan, configs, workload, costs[-1:]).max().item()
+    last = simulate_optimizer_step(stage, workload, costs[-1:]).max().item()
     return last + sum(cost.apply.max().item() for cost in costs[:-1])
+
+
+def _how(unit: Unit) -> str:
+    """How a unit owned whole is orthogonalized, in a few words."""
+    layout = unit.layout
+    if layout.size == 1:
+        return f"each rank its own {unit.count} matrices, no exchange" if unit.count > 1 else "one rank, no exchange"
+    if layout.pieces:
+        return f"pieces exchange over {layout.size} ranks"
+    replicas = f", {layout.replicas} replicas" if layout.replicas > 1 else ""
+    return f"{'column' if layout.transposed else 'row'} exchange over {layout.size} ranks{replicas}"
+
+
+def strategy_counts(stage: StagePlan) -> tuple[tuple[str, int, str], ...]:
+    """(kind of matrix — its name less the layer —, parameters of that kind, how they are
+    orthogonalized) for every kind and way in the stage, in the model's order."""
+    hows = [(u, _how(u)) for plan in stage.plans for u in plan.units]
+    hows += [(s.unit, f"column blocks over {len(s.gang)} ranks" if s.column_blocks else
+              f"gangs of {len(s.gang)} ranks") for s in stage.split]
+    counts: Counter[tuple[str, str]] = Counter()
+    for unit, how in hows:
+        counts[unit.name.split(".", 2)[-1] if unit.name.startswith("layers.") else unit.name, how] += 1
+    return tuple((kind, n, how) for (kind, how), n in counts.items())
+
+
+def _flops_per_rank(stage: StagePlan, workload: Workload) -> Tensor:
+    """NS FLOPs of every rank of the stage: its owned units (a one-rank group's on every rank,
+    each holding its own), its share of the split matrices."""
+    flops = torch.zeros(workload.group_size, dtype=torch.float64)
+    for plan in stage.plans:
+        flops += torch.tensor([plan.flops(p) for p in range(plan.size)], dtype=torch.float64)
+    for s in stage.split:
+        flops[list(s.gang)] += s.member_flops
+    return flops
+
+
+def optimizer_state_bytes(workload: Workload) -> tuple[float, float]:
+    """Per rank, the optimizer state of (dmuon, AdamW): dmuon keeps one fp32 momentum per Muon
+    element and AdamW's two moments for the rest; AdamW two moments for every element."""
+    mode = "ddp" if workload.mode == "ddp" else "fsdp2"
+    local_muon = local_params(muon_params(workload.config), workload, mode)
+    local_all = local_params(param_count(workload.config), workload, mode)
+    return 4 * local_muon + 8 * (local_all - local_muon), 8 * local_all
 
 
 def predict(workload: Workload, model: str = "") -> Prediction:
     """Optimizer-step and end-to-end predictions for dmuon, AdamW and vanilla distributed Muon.
 
     The baselines run under the workload's mode, except in owner mode, whose baselines are
-    FSDP2's (the setup owner-sharding would replace).
+    FSDP2's (the setup owner-sharding would replace). With pipeline stages, the optimizer is
+    the first stage's (the most layers).
     """
-    plan, configs, split = split_plan(workload)
-    costs = bucket_costs(plan, configs, workload)
-    dmuon_opt = simulate_optimizer_step(plan, configs, workload, costs, split).max().item()
+    stage = stage_plan(workload)
+    costs = stage_costs(stage, workload)
+    dmuon_opt = simulate_optimizer_step(stage, workload, costs).max().item()
     baseline_mode = "fsdp2" if workload.mode == "owner" else workload.mode
     compute = forward_backward_seconds(workload)
     ours_dp = data_parallel_seconds(workload)
@@ -466,42 +527,48 @@ def predict(workload: Workload, model: str = "") -> Prediction:
                                    data_parallel_seconds(workload, baseline_mode), workload)
     adamw_opt = adamw_step_seconds(workload, baseline_mode)
     vanilla_opt = vanilla_muon_step_seconds(workload, baseline_mode)
-    size = workload.world_size
+    size = workload.group_size
     traffic = total_traffic(costs, size)
     sent = (traffic.intra_out + traffic.inter_out).double()
-    flops = torch.tensor([plan.flops(p) for p in range(size)], dtype=torch.float64)
+    flops = _flops_per_rank(stage, workload)
     shards = _row_shards(workload)
-    for s in split:
+    for s in stage.split:
         if not s.column_blocks:  # a rank's rows out to the gang; a member's slice out to every other rank
             sent += -(-s.unit.total_bytes // shards) if shards > 1 else 0
             sent[list(s.gang)] += s.member_elements * s.unit.back_itemsize * (size - 1) / size
-        flops[list(s.gang)] += s.member_flops
-    units = [*plan.units, *(s.unit for s in split)]
-    all_configs = [*configs, *(s.config for s in split)]
+    units, all_configs = stage.units, stage.configs
     adamw_step, vanilla_step, dmuon_step = base_fb + adamw_opt, base_fb + vanilla_opt, ours_fb + dmuon_opt
     # early start's own plan: every matrix whole (it does not run gangs), buckets in the backward
-    # pass's order
+    # pass's order; it does not run where a pieces exchange is in the plan
     early_opt, hidden = dmuon_opt, 0.0
-    if workload.profile.backward_idle_fraction:
+    pieces = any(u.layout.pieces for u in units)
+    if workload.profile.backward_idle_fraction and not pieces:
         early = dataclasses.replace(workload, split=False, ready_order=True)
-        early_plan, early_configs, _ = split_plan(early)
-        early_costs = bucket_costs(early_plan, early_configs, early)
-        early_opt = simulate_optimizer_step(early_plan, early_configs, early, early_costs).max().item()
-        after = after_backward_seconds(early_plan, early_configs, early, early_costs)
+        early_stage = stage_plan(early)
+        early_costs = stage_costs(early_stage, early)
+        early_opt = simulate_optimizer_step(early_stage, early, early_costs).max().item()
+        after = after_backward_seconds(early_stage, early, early_costs)
         hidden = early_start_hidden(early_opt, after, BACKWARD_SHARE * compute, workload)
         if not hidden:
             early_opt = dmuon_opt
-    ms = 1e3
+    dmuon_state, adamw_state = optimizer_state_bytes(workload)
+    largest = max((u.total_bytes for u in units), default=0)
+    ms, gb = 1e3, 2**30
     return Prediction(
         model=model, mode=workload.mode, hardware=workload.profile.name,
-        world_size=size, tokens_per_rank=workload.tokens_per_rank, seq_len=workload.seq_len,
+        world_size=workload.world_size, tp=workload.tp, pp=workload.pp, ep=workload.ep,
+        tokens_per_rank=workload.tokens_per_rank, seq_len=workload.seq_len,
         mfu=workload.model_flops_utilization, elementwise_efficiency=workload.elementwise_efficiency,
-        ns_recipe=ns_recipe(units, all_configs), buckets=len(plan.buckets),
-        ns_gflop_total=sum(u.flops for u in units) / 1e9,
+        ns_recipe=ns_recipe(units, all_configs), buckets=sum(len(plan.buckets) for plan in stage.plans),
+        ns_gflop_total=sum(u.flops * (size if u.layout.size == 1 else 1) for u in units) / 1e9,
         ns_gflop_per_rank=_spread((flops / 1e9).tolist()), mb_sent_per_rank=_spread((sent / 2**20).tolist()),
         imbalance=(flops.max() / flops.mean()).item() if flops.sum() else 1.0,
-        split_matrices=len(split), gang_size=max((len(s.gang) for s in split if not s.column_blocks), default=0),
-        column_block_matrices=sum(s.column_blocks for s in split),
+        split_matrices=len(stage.split),
+        gang_size=max((len(s.gang) for s in stage.split if not s.column_blocks), default=0),
+        column_block_matrices=sum(s.column_blocks for s in stage.split),
+        strategies=strategy_counts(stage),
+        dmuon_state_gb=dmuon_state / gb, adamw_state_gb=adamw_state / gb,
+        exchange_buffer_gb=2 * max(workload.bucket_bytes, largest) / gb if size > 1 else 0.0,
         forward_backward_ms=compute * ms, data_parallel_comm_ms=ours_dp * ms,
         adamw_opt_ms=adamw_opt * ms, adamw_step_ms=adamw_step * ms,
         vanilla_opt_ms=vanilla_opt * ms, vanilla_step_ms=vanilla_step * ms,

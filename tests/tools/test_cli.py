@@ -269,7 +269,7 @@ def test_plan_on_cpu_says_it_measures_first_and_names_small_models_in_millions(t
     assert main(["plan", "--model", "demo", "--world-size", "2", "--hardware", "cpu"]) == 0
     captured = capsys.readouterr()
     assert captured.err.startswith("dmuon plan: measuring this machine first")
-    assert "dmuon plan: demo (919 k parameters, 786 k in 28 Muon matrices)" in captured.out
+    assert "dmuon plan: demo (919 k parameters, 786 k in 28 Muon parameters)" in captured.out
 
 
 def test_the_api_reference_names_every_command_and_quotes_errors_as_raised():

@@ -24,7 +24,7 @@ from dmuon.tools.costmodel import (
     muon_params,
     normalize_bytes,
     ns_seconds,
-    split_plan,
+    stage_plan,
 )
 from dmuon.tools.hardware import (
     PROFILES,
@@ -40,6 +40,7 @@ from dmuon.tools.simulate import (
     measured_elementwise_efficiency,
     predict,
     simulate_optimizer_step,
+    stage_costs,
     total_traffic,
 )
 
@@ -153,13 +154,13 @@ def test_owner_mode_moves_nothing_in_the_optimizer():
 def test_elementwise_efficiency_scales_only_the_elementwise_phases():
     cpu = dataclasses.replace(H100, name="cpu", device_type="cpu", comm_overlaps_compute=False)
     w = workload("bench", 1, "ddp", cpu, layers=2, tokens_per_rank=64, seq_len=64)
-    plan, configs = build_plan(w)
-    full = simulate_optimizer_step(plan, configs, w).max().item()
-    products = sum(ns_seconds(u.flops, c, w) for u, c in zip(plan.units, configs))
+    stage = stage_plan(w)
+    full = simulate_optimizer_step(stage, w).max().item()
+    products = sum(ns_seconds(u.flops, c, w) for u, c in zip(stage.units, stage.configs))
     halved = dataclasses.replace(w, elementwise_efficiency=0.5)
-    assert simulate_optimizer_step(plan, configs, halved).max().item() == pytest.approx(2 * full - products)
+    assert simulate_optimizer_step(stage, halved).max().item() == pytest.approx(2 * full - products)
     # measured: the step's element-wise part took twice what the full rates give → 0.5
-    normalize = sum(memory_seconds(u.m * u.n * normalize_bytes(c.dtype), w) for u, c in zip(plan.units, configs))
+    normalize = sum(memory_seconds(u.m * u.n * normalize_bytes(c.dtype), w) for u, c in zip(stage.units, stage.configs))
     elementwise = full - products - normalize
     assert measured_elementwise_efficiency(w, products + normalize + 2 * elementwise, products + normalize) == \
         pytest.approx(0.5)
@@ -193,10 +194,10 @@ def test_early_start_hides_at_most_the_idle_backward_time_and_never_the_last_buc
     # what follows the backward pass: at least the last bucket's step alone, more than an even
     # share of the step (its exchange waits on every rank's slowest link)
     early = dataclasses.replace(w, split=False, ready_order=True)
-    plan, configs, _ = split_plan(early)
-    costs = bucket_costs(plan, configs, early)
-    after = after_backward_seconds(plan, configs, early, costs) * 1e3
-    last_alone = simulate_optimizer_step(plan, configs, early, costs[-1:]).max().item() * 1e3
+    stage = stage_plan(early)
+    costs = stage_costs(stage, early)
+    after = after_backward_seconds(stage, early, costs) * 1e3
+    last_alone = simulate_optimizer_step(stage, early, costs[-1:]).max().item() * 1e3
     assert len(costs) > 1 and p.dmuon_early_opt_ms >= after >= last_alone > (p.dmuon_early_opt_ms +
                                                                              p.early_start_hidden_ms) / len(costs)
     # early start's own plan (whole matrices, buckets in the backward order) with what it hides
@@ -239,8 +240,8 @@ def test_more_ranks_less_ns_per_rank_down_to_the_largest_matrix():
 
 def test_simulation_is_deterministic():
     w = workload("qwen2.5-1.5b", 24, layers=6)
-    plan, configs = build_plan(w)
-    assert torch.equal(simulate_optimizer_step(plan, configs, w), simulate_optimizer_step(plan, configs, w))
+    stage = stage_plan(w)
+    assert torch.equal(simulate_optimizer_step(stage, w), simulate_optimizer_step(stage, w))
     assert predict(w) == predict(w)
 
 

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
-from dmuon.tools.costmodel import Workload, build_plan, split_plan
+from dmuon.tools.costmodel import Workload, build_plan, stage_plan
 from dmuon.tools.hardware import PROFILES
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
 from tests.harness import run_on_ranks
@@ -59,10 +59,11 @@ def optimizer_plan(mode: str, preset: str, overrides: dict, **options) -> dict:
 @pytest.mark.parametrize("preset,overrides", [("demo", {}), ("tiny", ONE_WIDE_BLOCK)], ids=["demo", "one-wide-block"])
 def test_dmuon_plan_prints_the_optimizers_plan(world, mode, preset, overrides):
     workload = Workload(get_config(preset, **overrides), world, mode, CPU, mfu=0.5)
-    plan, _, split = split_plan(workload)
+    stage = stage_plan(workload)
+    (plan, _), = stage.groups
     expected = _described(plan)
-    expected["gangs"] = {s.unit.name: s.gang for s in split}  # positions are global ranks here
-    if not split:  # what `dmuon plan` prints then: the per-rank table of the whole-matrix plan
+    expected["gangs"] = {s.unit.name: s.gang for s in stage.split}  # positions are global ranks here
+    if not stage.split:  # what `dmuon plan` prints then: the per-rank table of the whole-matrix plan
         assert build_plan(workload)[0].table() == plan.table()
     for rank, got in enumerate(run_on_ranks(world, optimizer_plan, mode, preset, overrides)):
         assert got == expected, f"rank {rank}"
@@ -74,8 +75,9 @@ def test_early_start_plans_agree_too():
     """Where early start runs, both cut buckets in the backward pass's order and keep every
     matrix whole (here on CPU, where it is not the default)."""
     workload = Workload(get_config("tiny", **ONE_WIDE_BLOCK), 2, "fsdp2", CPU, mfu=0.5, ready_order=True)
-    plan, _, split = split_plan(workload)
+    stage = stage_plan(workload)
+    (plan, _), = stage.groups
     expected = dict(_described(plan), gangs={})
-    assert not split
+    assert not stage.split
     for rank, got in enumerate(run_on_ranks(2, optimizer_plan, "fsdp2", "tiny", ONE_WIDE_BLOCK, early_start=True)):
         assert got == expected, f"rank {rank}"
