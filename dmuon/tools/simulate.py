@@ -470,7 +470,7 @@ def _how(unit: Unit) -> str:
     """How a unit owned whole is orthogonalized, in a few words."""
     layout = unit.layout
     if layout.size == 1:
-        return f"each rank its own {unit.count} matrices, no exchange" if unit.count > 1 else "one rank, no exchange"
+        return f"whole on each rank ({unit.count} matrices a rank), no exchange"
     if layout.pieces:
         return f"pieces exchange over {layout.size} ranks"
     replicas = f", {layout.replicas} replicas" if layout.replicas > 1 else ""
