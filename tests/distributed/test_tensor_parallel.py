@@ -122,8 +122,8 @@ def save_and_load_tp(path: str, parallel: str = "tp") -> dict:
                           for n, p in model.named_parameters() if p.ndim == 2})
 
 
-def load_plain(path: str) -> dict:
-    model, opt, _, _ = build(None)
+def load_plain(path: str, parallel: str | None = None) -> dict:
+    model, opt, _, _ = build(parallel)
     dcp_load(model, opt, path)
     return dict(params={n: full_tensor(p) for n, p in model.named_parameters()},
                 momentum={n: full_tensor(opt.state[p]["momentum_buffer"])
@@ -138,6 +138,20 @@ def test_tensor_parallel_checkpoint_loads_in_one_process(tmp_path, parallel, wor
         assert saved[part].keys() == loaded[part].keys() and saved[part]
         for name in saved[part]:
             assert torch.equal(saved[part][name], loaded[part][name]), (part, name)
+
+
+@pytest.mark.parametrize("saved_as,loaded_as", [(("fsdp+tp", 4), ("tp", 2)), (("fsdp+tp", 4), ("fsdp", 3)),
+                                               (("fsdp", 3), ("fsdp+tp", 4)), (("tp", 2), ("fsdp+tp", 4))],
+                         ids=["fsdp+tp@4->tp@2", "fsdp+tp@4->fsdp@3", "fsdp@3->fsdp+tp@4", "tp@2->fsdp+tp@4"])
+def test_checkpoint_loads_across_two_d_layouts_and_world_sizes(tmp_path, saved_as, loaded_as):
+    """A torch.distributed.checkpoint of weights and momentum saved under one layout and world
+    size loads bitwise under another (each rank takes its own piece)."""
+    saved = run_on_ranks(saved_as[1], save_and_load_tp, str(tmp_path / "ckpt"), saved_as[0])[0]
+    for rank, loaded in enumerate(run_on_ranks(loaded_as[1], load_plain, str(tmp_path / "ckpt"), loaded_as[0])):
+        for part in ("params", "momentum"):
+            assert saved[part].keys() == loaded[part].keys() and saved[part]
+            for name in saved[part]:
+                assert torch.equal(saved[part][name], loaded[part][name]), (rank, part, name)
 
 
 # ---------------------------------------------------------------- distributed Newton–Schulz

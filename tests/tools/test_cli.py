@@ -82,6 +82,13 @@ BAD_INPUTS = [
     (["plan", "--tokens-per-step", "0"], "--tokens-per-step", "0"),
     (["plan", "--world-size", "4", "--tokens-per-step", "2"], "--tokens-per-step", "2"),
     (["plan", "--model", "llama-3.1-8b", "--hardware", "cpu"], "--hardware", "--layers"),  # too big to time
+    (["plan", "--tp", "0"], "--tp", "0"),
+    (["plan", "--world-size", "6", "--tp", "4"], "--tp/--pp/--ep", "not a multiple of tp·pp = 4"),
+    (["plan", "--world-size", "8", "--tp", "2", "--mode", "ddp"], "--tp/--pp/--ep", "under fsdp2 only"),
+    (["plan", "--world-size", "8", "--ep", "2"], "--tp/--pp/--ep", "has no experts"),
+    (["plan", "--model", "qwen3-30b-a3b", "--world-size", "8", "--ep", "3"], "--tp/--pp/--ep", "divide"),
+    (["plan", "--model", "tiny", "--world-size", "8", "--pp", "4"], "--tp/--pp/--ep", "2 layers"),
+    (["plan", "--model", "qwen3-30b-a3b", "--hardware", "cpu"], "--hardware", "mixture of experts"),
     (["plan", "--json", "no-such-folder/plan.json"], "--json", "no-such-folder"),
     (["plan", "--json", "/proc/dmuon-plan.json"], "--json", "cannot be written"),  # refused before the run
     (["bench", "--json", "/proc/dmuon-bench.json"], "--json", "cannot be written"),
