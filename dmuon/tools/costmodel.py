@@ -282,7 +282,7 @@ class Workload:
         ranks = tuple(range(self.group_size))
         if self.mode == "ddp":
             return Layout(shape, self.world_size, 1, ranks)
-        if len(shape) == 3:
+        if len(shape) == 3 and self.mode == "fsdp2":
             return self._expert_layout(shape, rank)
         kind = name.split(".")[-2]
         if self.tp == 1:
@@ -520,8 +520,9 @@ def data_parallel_collectives(workload: Workload, mode: str | None = None) -> li
     if mode == "ddp":
         return [("all_reduce", RING_BYTES["all_reduce"](n) * total * 4, -(-total * 4 // DDP_BUCKET_BYTES))]
     groups = workload.stage_config.n_layers + 1
-    experts = expert_params(config) / workload.pp / workload.ep
-    dense = total - expert_params(config) - (muon_params(config) if mode == "owner" else 0)
+    # owner mode: FSDP2 keeps what is not Muon's (the owners hold the Muon matrices, experts included)
+    experts = 0 if mode == "owner" else expert_params(config) / workload.pp / workload.ep
+    dense = total - (muon_params(config) if mode == "owner" else expert_params(config))
     full = [(dense / workload.pp / workload.tp, workload.dp), (experts, workload.group_size // workload.ep)]
     collectives = [(kind, RING_BYTES[kind](ranks) * nbytes, calls)
                    for params, ranks in full if params and ranks > 1
@@ -554,8 +555,8 @@ def data_parallel_copy_seconds(workload: Workload, mode: str | None = None) -> f
     total = param_count(config)
     if mode == "ddp":
         return memory_seconds(DDP_COPY_BYTES * total, workload)
-    experts = expert_params(config)
-    dense = total - experts - (muon_params(config) if mode == "owner" else 0)
+    experts = 0 if mode == "owner" else expert_params(config)
+    dense = total - (muon_params(config) if mode == "owner" else experts)
     gathered = (dense / workload.tp + experts / workload.ep) / workload.pp
     return memory_seconds(FSDP_COPY_BYTES * gathered, workload)
 
