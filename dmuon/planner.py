@@ -187,16 +187,8 @@ class Plan:
 
     @property
     def strategy(self) -> str:
-        """How the group's matrices reach their owners, in words."""
-        layout = self.units[0].layout if self.units else None
-        if layout is None or layout.size == 1:
-            return "each rank's own matrices, no exchange"
-        if layout.pieces:
-            return (f"pieces exchange over {self.size} ranks: each owner receives exactly the pieces of its matrices "
-                    "(FSDP x tensor parallel, 2-D blocks, expert stacks sharded on a matrix dimension)")
-        rows = "columns (row-wise tensor parallel)" if layout.transposed else "rows"
-        shards = self.size // self.replicas
-        return f"row exchange over {self.size} ranks ({self.replicas} replica(s) x {shards} shard(s) of the {rows})"
+        """How the group's matrices reach their owners (:func:`exchange_kind`)."""
+        return exchange_kind(self.units[0].layout) if self.units else "no matrices"
 
     def table(self) -> str:
         """The strategy; per rank (global rank): matrices owned, NS GFLOPs, MB out and in; then
@@ -211,6 +203,17 @@ class Plan:
             )
         lines.append(f"imbalance (max/mean NS FLOPs): {self.imbalance:.3f}; buckets: {len(self.buckets)}")
         return "\n".join(lines)
+
+
+def exchange_kind(layout: Layout) -> str:
+    """How the matrices of an exchange group of ``layout`` reach their owners, in a few words
+    (a row-wise tensor-parallel matrix's row exchange is its transpose's)."""
+    if layout.size == 1:
+        return "no exchange: each rank its own matrices"
+    if layout.pieces:
+        return f"pieces exchange over {layout.size} ranks"
+    replicas = f", {layout.replicas} replicas" if layout.replicas > 1 else ""
+    return f"row exchange over {layout.size} ranks{replicas}"
 
 
 def owner_cost(unit: Unit, size: int, flops_per_byte: float) -> float:

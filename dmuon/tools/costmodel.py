@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -327,11 +327,13 @@ def _units(workload: Workload, rank: int = 0) -> tuple[list[Unit], list[NSConfig
     return units, configs
 
 
-def _wire(unit: Unit) -> str:
-    """The wire dtypes as dmuon.Muon names them (an exchange group never mixes them)."""
-    dtypes = {1: "torch.float8_e4m3fn", 2: "torch.bfloat16", 4: "torch.float32"}
-    there, back = dtypes[unit.itemsize], dtypes[unit.back_itemsize]
-    return there if back == there else f"{there}>{back}"
+def _wire(workload: Workload, config: NSConfig) -> str:
+    """The wire dtypes of a unit as dmuon.Muon names them (an exchange group never mixes them):
+    the gradient's (fp32) or a bf16 wire to the owner, and back Newton–Schulz's dtype where
+    that is narrower."""
+    there = {4: torch.float32, 2: torch.bfloat16}[workload.wire_itemsize]
+    back = config.dtype if config.dtype.itemsize < there.itemsize else there
+    return str(there) if back == there else f"{there}>{back}"
 
 
 def _replicas(workload: Workload) -> int:
@@ -376,28 +378,28 @@ class SplitUnit:
         return self.unit.m if self.column_blocks else min(self.unit.m, self.unit.n)
 
 
-def matrix_options(workload: Workload) -> list[MatrixOptions]:
-    """The first stage's Muon parameters as :func:`dmuon.planner.choose` takes them, as
-    ``dmuon.Muon`` would describe them: FSDP2's matrices are DTensors, which may run distributed
-    NS on their column blocks where each rank holds whole rows (the transpose's: Gram side the
-    columns) or whole columns; an unfused matrix with a process group may be split over a gang."""
-    units, configs = _units(workload)
+def matrix_options(workload: Workload, units: Sequence[Unit], configs: Sequence[NSConfig]) -> list[MatrixOptions]:
+    """The first stage's Muon parameters (:func:`_units`) as :func:`dmuon.planner.choose` takes
+    them, as ``dmuon.Muon`` would describe them: FSDP2's matrices are DTensors, which may run
+    distributed NS on their column blocks where each rank holds whole rows (the transpose's:
+    Gram side the columns) or whole columns; an unfused matrix with a process group may be split
+    over a gang."""
     options = []
     for unit, config in zip(units, configs):
         cost = None
         if workload.mode == "fsdp2" and unit.count == 1 and column_blocks_fit(unit.layout):
             blocks = ns_config(unit.n, unit.m, workload.profile.device_type)
             cost = column_block_cost(unit.count, unit.n, unit.m, blocks, unit.layout.shards)
-        options.append(MatrixOptions(unit, unit, config, _wire(unit), cost, splittable=unit.count == 1))
+        options.append(MatrixOptions(unit, unit, config, _wire(workload, config), cost, splittable=unit.count == 1))
     return options
 
 
-def choices(workload: Workload) -> Choices:
-    """What ``dmuon.Muon`` with default options decides for the workload (owner mode, and
-    ``workload.split`` off, keep every matrix whole)."""
+def choices(workload: Workload, units: Sequence[Unit], configs: Sequence[NSConfig]) -> Choices:
+    """What ``dmuon.Muon`` with default options decides for the workload's ``units`` (owner mode,
+    and ``workload.split`` off, keep every matrix whole)."""
     if workload.mode == "owner":
         return Choices(split_replicas=False)
-    return choose(matrix_options(workload), distributed_ns=None if workload.split else False,
+    return choose(matrix_options(workload, units, configs), distributed_ns=None if workload.split else False,
                   ready_order=workload.ready_order, bucket_bytes=workload.bucket_bytes)
 
 
@@ -431,7 +433,7 @@ def stage_plan(workload: Workload, rank: int = 0) -> StagePlan:
     the stacks each rank holds whole name that rank). Owner mode takes the owners
     ``dmuon.shard_by_owner`` picks; its optimizer moves no bytes."""
     units, configs = _units(workload, rank)
-    chosen = choices(workload)
+    chosen = choices(workload, units, configs)
     split = tuple(SplitUnit(units[i], configs[i], chosen.gangs[i]) for i in sorted(chosen.gangs))
     split += tuple(SplitUnit(dataclasses.replace(units[i], m=units[i].n, n=units[i].m),
                              ns_config(units[i].n, units[i].m, workload.profile.device_type),
@@ -440,7 +442,7 @@ def stage_plan(workload: Workload, rank: int = 0) -> StagePlan:
     rest = [i for i in range(len(units)) if i not in chosen.gangs and i not in chosen.column_blocks]
     if workload.mode == "owner":
         return StagePlan(((_plan([units[i] for i in rest], workload), tuple(configs[i] for i in rest)),), split)
-    groups = exchange_plans([units[i] for i in rest], [_wire(units[i]) for i in rest],
+    groups = exchange_plans([units[i] for i in rest], [_wire(workload, configs[i]) for i in rest],
                             bucket_bytes=workload.bucket_bytes, ready_order=workload.ready_order)
     return StagePlan(tuple((plan, tuple(configs[rest[i]] for i in members)) for members, plan in groups), split)
 
@@ -497,6 +499,15 @@ def forward_backward_seconds(workload: Workload) -> float:
     return compute_seconds(flops, workload.profile.train_dtype, workload, workload.model_flops_utilization)
 
 
+def fsdp_params(workload: Workload, mode: str) -> tuple[int, int]:
+    """The model's parameters FSDP2 manages in ``mode``, as (the rest, the expert stacks): in
+    owner mode only what is not Muon's (the owners hold the Muon matrices, experts included)."""
+    total, config = param_count(workload.config), workload.config
+    if mode == "owner":
+        return total - muon_params(config), 0
+    return total - expert_params(config), expert_params(config)
+
+
 def data_parallel_collectives(workload: Workload, mode: str | None = None) -> list[tuple[str, float, int]]:
     """(kind, bytes per rank, calls) of the forward+backward's own collectives in ``mode``
     (default: the workload's); kinds and their ring bytes as in :data:`dmuon.tools.hardware.RING_BYTES`.
@@ -520,10 +531,9 @@ def data_parallel_collectives(workload: Workload, mode: str | None = None) -> li
     if mode == "ddp":
         return [("all_reduce", RING_BYTES["all_reduce"](n) * total * 4, -(-total * 4 // DDP_BUCKET_BYTES))]
     groups = workload.stage_config.n_layers + 1
-    # owner mode: FSDP2 keeps what is not Muon's (the owners hold the Muon matrices, experts included)
-    experts = 0 if mode == "owner" else expert_params(config) / workload.pp / workload.ep
-    dense = total - (muon_params(config) if mode == "owner" else expert_params(config))
-    full = [(dense / workload.pp / workload.tp, workload.dp), (experts, workload.group_size // workload.ep)]
+    dense, experts = fsdp_params(workload, mode)
+    full = [(dense / workload.pp / workload.tp, workload.dp),
+            (experts / workload.pp / workload.ep, workload.group_size // workload.ep)]
     collectives = [(kind, RING_BYTES[kind](ranks) * nbytes, calls)
                    for params, ranks in full if params and ranks > 1
                    for kind, nbytes, calls in (("all_gather", 2 * params * train, 2 * groups),
@@ -551,12 +561,9 @@ def data_parallel_copy_seconds(workload: Workload, mode: str | None = None) -> f
     mode = mode or workload.mode
     if workload.world_size == 1:
         return 0.0
-    config = workload.config
-    total = param_count(config)
     if mode == "ddp":
-        return memory_seconds(DDP_COPY_BYTES * total, workload)
-    experts = 0 if mode == "owner" else expert_params(config)
-    dense = total - (muon_params(config) if mode == "owner" else experts)
+        return memory_seconds(DDP_COPY_BYTES * param_count(workload.config), workload)
+    dense, experts = fsdp_params(workload, mode)
     gathered = (dense / workload.tp + experts / workload.ep) / workload.pp
     return memory_seconds(FSDP_COPY_BYTES * gathered, workload)
 

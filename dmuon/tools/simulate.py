@@ -466,21 +466,10 @@ def after_backward_seconds(stage: StagePlan, workload: Workload, costs: list[Buc
     return last + sum(cost.apply.max().item() for cost in costs[:-1])
 
 
-def _how(unit: Unit) -> str:
-    """How a unit owned whole is orthogonalized, in a few words."""
-    layout = unit.layout
-    if layout.size == 1:
-        return f"whole on each rank ({unit.count} matrices a rank), no exchange"
-    if layout.pieces:
-        return f"pieces exchange over {layout.size} ranks"
-    replicas = f", {layout.replicas} replicas" if layout.replicas > 1 else ""
-    return f"{'column' if layout.transposed else 'row'} exchange over {layout.size} ranks{replicas}"
-
-
 def strategy_counts(stage: StagePlan) -> tuple[tuple[str, int, str], ...]:
     """(kind of matrix — its name less the layer —, parameters of that kind, how they are
     orthogonalized) for every kind and way in the stage, in the model's order."""
-    hows = [(u, _how(u)) for plan in stage.plans for u in plan.units]
+    hows = [(u, plan.strategy) for plan in stage.plans for u in plan.units]
     hows += [(s.unit, f"column blocks over {len(s.gang)} ranks" if s.column_blocks else
               f"gangs of {len(s.gang)} ranks") for s in stage.split]
     counts: Counter[tuple[str, str]] = Counter()

@@ -189,4 +189,4 @@ def test_dmuon_plan_with_tp_pp_ep_prints_the_optimizers_plans(case):
     if tp > 1 and workload.dp > 1:
         assert any(how.startswith("pieces exchange") for how in strategies)
     if "dim 0" in case:
-        assert any(how.startswith("whole on each rank") for how in strategies)
+        assert any(how.startswith("no exchange: each rank its own") for how in strategies)
