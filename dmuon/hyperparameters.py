@@ -28,8 +28,8 @@ MUON_KEYS = (
 ADAMW_GROUP_KEYS = ("adamw_lr", "adamw_weight_decay", "adamw_betas", "adamw_eps")
 # Per-parameter routing, stored in each group (and in checkpoints): lists parallel to "params".
 ROUTING_KEYS = ("algorithms", "matrix_views")
-# Why each parameter is routed as it is, in each group, parallel to "params": worked out again at
-# construction, so left out of state dicts (the ones of older versions carry it, and still load).
+# Why each parameter is routed as it is, in each group, parallel to "params": saved in state dicts
+# like every group key, but a load keeps the reasons worked out at construction.
 ROUTE_REASONS = "route_reasons"
 # Keys a user's param group may carry besides hyperparameters ("betas": AdamW's, by its torch name).
 # "use_addmm": torch.optim.Muon's, accepted and checked; dmuon's Newton–Schulz always fuses its products.

@@ -383,15 +383,6 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, less each group's ``"route_reasons"``: they explain the routing,
-        which the checkpoint keeps (``"algorithms"``, ``"matrix_views"``), and are worked out
-        again when the optimizer is built."""
-        state = super().state_dict()
-        for group in state["param_groups"]:
-            group.pop(ROUTE_REASONS, None)
-        return state
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (collective under torch.distributed, as construction is).
 
@@ -412,7 +403,9 @@ class Muon(torch.optim.Optimizer):
                 loaded = param_groups.from_torch_muon(state_dict, self.param_groups)
             param_groups.check_loadable(loaded, self.param_groups)
             torch.optim.Optimizer.load_state_dict(self, loaded)
-            for group, before in zip(self.param_groups, kept[1]):  # the routing is checked equal
+            # The routing is checked equal; its reasons are this build's (a checkpoint's may
+            # come from another version, or from torch.optim.Muon, which has none).
+            for group, before in zip(self.param_groups, kept[1]):
                 group[ROUTE_REASONS] = before[ROUTE_REASONS]
             return self._fingerprint(self.param_groups)
 

@@ -6,8 +6,8 @@ A stored group holds the Muon hyperparameters (``MUON_KEYS``), AdamW's (``ADAMW_
 None for lr and weight decay means the group's own), ``"algorithm"`` (the user's override or
 None), ``"base_lr"`` (the lr when the group was added: an explicit ``adamw_lr`` scales with the
 group's lr from there), and per parameter, in lists parallel to ``"params"``: ``"algorithms"``,
-``"matrix_views"`` and ``"route_reasons"`` (the one key :meth:`dmuon.Muon.state_dict` leaves
-out: it explains, and is worked out again at construction).
+``"matrix_views"`` and ``"route_reasons"`` (saved with the others, so that frameworks which
+rebuild groups key by key from the live ones find every key; on load the live reasons stay).
 """
 
 from __future__ import annotations

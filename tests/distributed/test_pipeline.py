@@ -2,9 +2,12 @@
 of the model under FSDP2 on the stage's ``mesh["dp"]``, one ``dmuon.Muon`` per stage (per model
 part, two per rank in an interleaved schedule). Each optimizer agrees and exchanges over its
 stage's ranks, never the whole job; trained through ``torch.distributed.pipelining`` (GPipe,
-1F1B, interleaved 1F1B) against one process training the whole model on the global batch."""
+1F1B, interleaved 1F1B) against one process training the whole model on the global batch; the
+optimizers built by hand, or by torchtitan's optimizer container over each rank's model parts."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -48,9 +51,11 @@ def one_process(layers: int, dtype: torch.dtype) -> dict:
     return dict(losses=losses, params={n: p.detach().clone() for n, p in model.named_parameters()})
 
 
-def staged(schedule: str, layers: int, dtype: torch.dtype) -> dict:
+def staged(schedule: str, layers: int, dtype: torch.dtype, torchtitan: bool = False) -> dict:
     """This rank's stages (``layers`` split evenly over 2 pipeline ranks, two stages each with
-    an interleaved schedule), each under FSDP2 on the dp ranks with an optimizer of its own."""
+    an interleaved schedule), each under FSDP2 on the dp ranks with an optimizer of its own;
+    ``torchtitan``: built as torchtitan builds them, by its optimizer container over the rank's
+    model parts (``dmuon.integrations.torchtitan``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -67,9 +72,15 @@ def staged(schedule: str, layers: int, dtype: torch.dtype) -> dict:
         for block in part:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(part, mesh=mesh["dp"])
-        optimizers.append(dmuon.Muon(part, **HPARAMS))
+        optimizers.append(part if torchtitan else dmuon.Muon(part, **HPARAMS))
         stages.append(PipelineStage(part, index, 2 * per_rank, torch.device("cpu"), group=mesh["pp"].get_group()))
         parts.update({f"{n}.{k}": p for n, block in zip(names, part) for k, p in block.named_parameters()})
+    if torchtitan:
+        from dmuon.integrations.torchtitan import dmuon_optimizer_config
+
+        container = dmuon_optimizer_config(**HPARAMS).build(model_parts=optimizers)
+        optimizers = container.dmuon_optimizers  # one per model part, in the parts' order
+        assert len(optimizers) == per_rank
     if schedule == "interleaved":
         run = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=mse)
     else:
@@ -94,12 +105,17 @@ def staged(schedule: str, layers: int, dtype: torch.dtype) -> dict:
                 groups=[dist.get_process_group_ranks(opt._agreement_group()) for opt in optimizers])
 
 
-@pytest.mark.parametrize("schedule,layers,dtype", [
-    ("gpipe", 4, torch.float32), ("1f1b", 4, torch.float32), ("gpipe", 4, torch.bfloat16),
-    ("interleaved", 8, torch.float32),
+TORCHTITAN = pytest.mark.skipif(sys.version_info < (3, 11), reason="torchtitan 0.3.0 needs Python >= 3.11")
+
+
+@pytest.mark.parametrize("schedule,layers,dtype,torchtitan", [
+    ("gpipe", 4, torch.float32, False), ("1f1b", 4, torch.float32, False), ("gpipe", 4, torch.bfloat16, False),
+    ("interleaved", 8, torch.float32, False),
+    pytest.param("1f1b", 4, torch.float32, True, marks=TORCHTITAN),
+    pytest.param("interleaved", 8, torch.float32, True, marks=TORCHTITAN),
 ])
-def test_pipeline_stages_under_fsdp2_train_as_one_process(schedule, layers, dtype):
-    results = run_on_ranks(4, staged, schedule, layers, dtype)
+def test_pipeline_stages_under_fsdp2_train_as_one_process(schedule, layers, dtype, torchtitan):
+    results = run_on_ranks(4, staged, schedule, layers, dtype, torchtitan)
     reference = single_process(one_process, layers, dtype)
     tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
     for rank, r in enumerate(results):

@@ -1,4 +1,4 @@
-"""Using ``dmuon.Muon`` from training frameworks.
+"""Using ``dmuon.Muon`` from Hugging Face Trainer, Accelerate and Lightning.
 
 **Hugging Face Trainer** needs the helper below. Given an optimizer *class*, Trainer calls it
 with two param groups of bare tensors (split by weight decay, without names), so routing cannot
