@@ -337,7 +337,8 @@ class Muon(torch.optim.Optimizer):
     @property
     def plans(self) -> list[Plan]:
         """The plan of each exchange group (usually one): owners, buckets, bytes; see Plan.table()."""
-        here = self._stepped_here()
+        # a frozen parameter (requires_grad=False, no gradient) is in no step: nor in its plan
+        here = [m for m in self._stepped_here() if m.param.requires_grad or m.param.grad is not None]
         if self._planner.ready_order and self._early.setting is None and here:
             self._step_plan(here)  # the bucket order the next step will use
         return self._planner.exchange_plans(self._planner.works(here))

@@ -87,7 +87,9 @@ def default_route(param: Tensor, name: str | None = None, role: str | None = Non
     """The default routing rule (module docstring) for one parameter."""
     if param.ndim < 2:
         return Route("adamw", "auto", f"{param.ndim}-D (bias, norm or scalar)")
-    role = role or _role_from_name(name)
+    # rules 2 and 3 before 4: a convolution named as an embedding (a ViT's patch_embed) is one
+    named = _role_from_name(name)
+    role = named if role in (None, "conv") and named else role
     if role == "embedding":
         return Route("adamw", "auto", "embedding")
     if role == "head":

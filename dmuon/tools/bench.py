@@ -119,8 +119,18 @@ from dmuon.tools.cli import (
 )
 from dmuon.tools.demo import CONFIGS as OPTIMIZERS
 from dmuon.tools.hardware import available_memory, gpu_memory
-from dmuon.tools.models import PRESETS, Llama, SyntheticTokens, get_config, param_count, training_bytes
+from dmuon.tools.models import (
+    PRESETS,
+    VLA_PRESETS,
+    VLAConfig,
+    get_config,
+    param_count,
+    trainable_params,
+    training_bytes,
+)
+from dmuon.tools.workloads import build_model, local_batch, make_data, training_loss
 
+DEFAULT_SEQ_LEN = 128  # tokens per sequence of a Llama preset
 # The default run (module docstring); the CUDA default adds early start off and owner sharding
 CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon")
 CUDA_CONFIGS = (*CONFIGS, "ddp-dmuon-atstep", "fsdp-dmuon-atstep", "ownerz2-dmuon", "ownerz2-dmuon-atstep")
@@ -362,13 +372,14 @@ class _Trainer:
                  mesh=None) -> None:
         parallel, optimizer = name.split("-", 1)
         self.name, self.args, self.rank, self.world, self.device = name, args, rank, world, device
-        config = get_config(args.preset, **({"n_layers": args.layers} if args.layers else {}))
-        self.model = Llama(config, seed=args.seed).to(device)
+        config = preset_config(args)
+        self.model = build_model(config, seed=args.seed).to(device)
         self.wrapped, self.sharding = wrap_model(self.model, parallel, world, device, mesh)
         owned = sum(p.numel() * p.element_size() for p in self.sharding.params) if self.sharding else 0
         layers = sum(p.numel() * p.element_size() for p in self.model.layers.parameters())
         root = sum(p.numel() * p.element_size() for p in self.model.parameters()) - layers
-        self.train_bytes = training_traffic(parallel, world, root, layers, owned)  # the same every step
+        frozen = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
+        self.train_bytes = training_traffic(parallel, world, root, layers, owned, frozen)  # the same every step
         variant = next((v for v in ("bf16wire", "early", "atstep") if optimizer.endswith(f"-{v}")), None)
         optimizer = optimizer.removesuffix(f"-{variant}")
         comm_dtype = torch.bfloat16 if variant == "bf16wire" else COMM_DTYPES[args.comm_dtype]
@@ -378,14 +389,13 @@ class _Trainer:
         self.optimizers = _factory(optimizer)(self.model, args.lr, args.weight_decay, **options)
         if optimizer == "dmuon" and parallel == "ddp":
             self.optimizers[0].register_ddp_comm_hook(self.wrapped)  # early start under DDP (on CUDA by default)
-        self.data = SyntheticTokens(config.vocab_size, seed=args.seed)
+        self.data = make_data(config, seed=args.seed)
 
     def forward_backward(self, step: int) -> torch.Tensor:
         args = self.args
-        inputs, targets = (t.to(self.device) for t in self.data.local_batch(
-            step, args.batch_size * self.world, args.seq_len, self.rank, self.world))
-        logits = self.wrapped(inputs)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        batch = local_batch(self.data, step, args.batch_size * self.world, args.seq_len, self.rank, self.world,
+                            self.device)
+        loss = training_loss(self.wrapped, batch)
         for opt in self.optimizers:
             opt.zero_grad()
         loss.backward()
@@ -773,7 +783,8 @@ class PeakMemory:
         return self.peak - self.baseline
 
 
-def training_traffic(parallel: str, world: int, root_bytes: int, layer_bytes: int, owned_bytes: int) -> float:
+def training_traffic(parallel: str, world: int, root_bytes: int, layer_bytes: int, owned_bytes: int,
+                     frozen_bytes: int = 0) -> float:
     """Bytes one rank sends, on average, for a step's forward and backward data-parallel traffic,
     by the ring costs: (N−1)/N of the bytes per all-gather, reduce-scatter, broadcast or reduce,
     2(N−1)/N per all-reduce.
@@ -784,17 +795,19 @@ def training_traffic(parallel: str, world: int, root_bytes: int, layer_bytes: in
     the root's parameters gathered once, each layer's twice (FSDP2 reshards a layer after forward
     and gathers it again for backward; the root it keeps), every gradient reduce-scattered. ownerz2 /
     ownerz3: FSDP2's traffic for the parameters not owner-sharded, and the owner-sharded matrices
-    broadcast from their owners once (Z2) or twice (Z3) and their gradients reduced onto them."""
+    broadcast from their owners once (Z2) or twice (Z3) and their gradients reduced onto them.
+    ``frozen_bytes``: of the root's, those without gradients (a VLA's frozen tower): gathered,
+    never reduced."""
     share = (world - 1) / world
     if parallel == "ddp":
-        return 2 * share * (root_bytes + layer_bytes)
+        return 2 * share * (root_bytes + layer_bytes - frozen_bytes)
     rest = layer_bytes - owned_bytes
-    fsdp = share * ((root_bytes + 2 * rest) + (root_bytes + rest))
+    fsdp = share * ((root_bytes + 2 * rest) + (root_bytes - frozen_bytes + rest))
     broadcasts = {"fsdp": 0, "ownerz2": 1, "ownerz3": 2}[parallel]
     return fsdp + share * (broadcasts + (1 if broadcasts else 0)) * owned_bytes
 
 
-def wrap_model(model: Llama, parallel: str, world: int, device: torch.device,
+def wrap_model(model: nn.Module, parallel: str, world: int, device: torch.device,
                mesh=None) -> tuple[nn.Module, OwnerSharding | None]:
     """The model under ``parallel``, and its owner sharding if it has one."""
     if parallel == "ddp":
@@ -856,12 +869,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks to spawn (default: %(default)s)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: gloo ranks; cuda: one GPU per rank with NCCL (default: %(default)s)")
-    parser.add_argument("--preset", choices=["auto", *sorted(PRESETS)], default="auto",
+    parser.add_argument("--preset", choices=["auto", *sorted(PRESETS), *sorted(VLA_PRESETS)], default="auto",
                         help="model preset; auto: bench where bf16 products are native (CUDA, or a CPU with "
                              "AVX512-BF16 or AMX), else demo, since vanilla Muon's bf16 Newton-Schulz would take "
-                             "minutes per step on the bench preset there (default: %(default)s)")
+                             "minutes per step on the bench preset there; vla: the embodied model (a frozen vision "
+                             "tower, a language model and an action expert) (default: %(default)s)")
     parser.add_argument("--layers", type=positive_int,
-                        help="override the preset's depth: real shapes, fewer layers (default: the preset's)")
+                        help="override the preset's depth: real shapes, fewer layers (default: the preset's; of a "
+                             "vla preset the language model's and action expert's)")
     parser.add_argument("--steps", type=positive_int, default=4,
                         help="measured steps per configuration at least, in rounds of --steps-per-round; more rounds "
                              "follow while a headline ratio is not within ±10 %% and --max-seconds allow "
@@ -883,8 +898,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-step", type=positive_int, default=None,
                         help="tokens per step over all ranks, instead of --batch-size: it must be a multiple of "
                              "--world-size x --seq-len (default: --batch-size's)")
-    parser.add_argument("--seq-len", type=positive_int, default=128,
-                        help="tokens per sequence, at most the preset's max_seq_len (default: %(default)s)")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="tokens per sequence, at most the preset's max_seq_len (default: 128; a vla preset's "
+                             "samples have a length of their own: image patches, prompt and action tokens)")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="learning rate (default: %(default)s)")
     parser.add_argument("--weight-decay", type=non_negative_float, default=0.1,
                         help="decoupled weight decay (default: %(default)s)")
@@ -924,7 +940,16 @@ def check_arguments(args: argparse.Namespace) -> None:
             print("preset auto: demo, since this CPU emulates bf16 products (no AVX512-BF16 or AMX) and vanilla "
                   "Muon's bf16 Newton-Schulz would take minutes per step on the bench preset; --preset bench "
                   "forces it", file=sys.stderr)
-    check_seq_len(args.seq_len, args.preset, PRESETS[args.preset].max_seq_len)
+    config = get_config(args.preset)
+    if isinstance(config, VLAConfig):
+        if args.seq_len is not None:
+            raise UsageError("--seq-len", f"a {args.preset} sample is {config.max_seq_len} tokens "
+                                          f"({config.vision.n_patches} image patches, {config.text_tokens} prompt and "
+                                          f"{config.action_steps} action tokens): leave --seq-len out")
+        args.seq_len = config.max_seq_len
+    elif args.seq_len is None:
+        args.seq_len = DEFAULT_SEQ_LEN
+    check_seq_len(args.seq_len, args.preset, config.max_seq_len)
     if args.tokens_per_step is not None:
         per_sequence_step = args.world_size * args.seq_len
         if args.tokens_per_step % per_sequence_step:
@@ -950,7 +975,7 @@ def check_memory(args: argparse.Namespace) -> None:
     """Refuse a run whose ranks would not fit in memory (each holds every configuration's model
     in the timed rounds): on CPU all ranks in this machine's, on CUDA each in its GPU's."""
     def needed(layers: int | None, batch_size: int = 4, tokens_per_step: int | None = None) -> tuple[int, int]:
-        config = get_config(args.preset, **({"n_layers": layers} if layers else {}))
+        config = get_config(args.preset, **({"n_layers": layers} if layers else {}))  # the override's size
         sequences = tokens_per_step // (ranks * args.seq_len) if tokens_per_step else batch_size
         params, activations = training_bytes(config, sequences, args.seq_len, models=len(args.configs))
         return (params, activations) if args.device == "cuda" else (ranks * params, ranks * activations)
@@ -965,11 +990,22 @@ def check_memory(args: argparse.Namespace) -> None:
         check_fits(needed, options, available_memory(), f"here for {ranks} ranks")
 
 
+def preset_config(args: argparse.Namespace):
+    """The ``--preset`` model's config at ``--layers``."""
+    return get_config(args.preset, **({"n_layers": args.layers} if args.layers else {}))
+
+
 def model_summary(args: argparse.Namespace) -> str:
     """E.g. "bench preset, 27.3M parameters, 2 ranks x 4 sequences x 128 tokens = 1,024 tokens per step"."""
-    parameters = param_count(get_config(args.preset, **({"n_layers": args.layers} if args.layers else {})))
+    config = preset_config(args)
+    parameters, trained = param_count(config), trainable_params(config)
     tokens = args.world_size * args.batch_size * args.seq_len
     size = f"{parameters / 1e6:.1f}M" if parameters >= 100_000 else f"{parameters:,}"
+    if isinstance(config, VLAConfig):
+        return (f"{args.preset} preset, {size} parameters ({trained / 1e6:.1f}M trained, the vision tower "
+                f"{'frozen' if config.freeze_vision else 'trained'}), {args.world_size} ranks x {args.batch_size} "
+                f"samples x {args.seq_len} tokens ({config.vision.n_patches} image patches, {config.text_tokens} "
+                f"prompt, {config.action_steps} action) = {tokens:,} tokens per step")
     return (f"{args.preset} preset, {size} parameters, {args.world_size} ranks x {args.batch_size} "
             f"sequences x {args.seq_len} tokens = {tokens:,} tokens per step")
 

@@ -63,7 +63,18 @@ from dmuon.planner import (
     plan_ownership,
 )
 from dmuon.tools.hardware import RING_BYTES, HardwareProfile
-from dmuon.tools.models import MOE_PRESETS, PRESETS, LlamaConfig, get_config, muon_units, param_count
+from dmuon.tools.models import (
+    MOE_PRESETS,
+    PRESETS,
+    VLA_PRESETS,
+    LlamaConfig,
+    VLAConfig,
+    block_matrices,
+    get_config,
+    muon_units,
+    param_count,
+    trainable_params,
+)
 
 MODES = ("fsdp2", "ddp", "owner")
 # torchtitan's tensor-parallel plan for a Llama block: these weights column-wise (Shard(0) on the
@@ -140,15 +151,17 @@ def config_from_hf(raw: Mapping[str, object]) -> LlamaConfig:
     )
 
 
-def load_model_config(spec: str, layers: int | None = None) -> LlamaConfig:
-    """A preset name (:data:`dmuon.tools.models.PRESETS`) or a path to a ``config.json``; ``layers``
-    overrides the depth."""
+PRESET_NAMES = (*PRESETS, *MOE_PRESETS, *VLA_PRESETS)
+
+
+def load_model_config(spec: str, layers: int | None = None) -> LlamaConfig | VLAConfig:
+    """A preset name (:data:`PRESET_NAMES`) or a path to a ``config.json``; ``layers`` overrides
+    the depth."""
     overrides = {"n_layers": layers} if layers else {}
-    if spec in PRESETS or spec in MOE_PRESETS:
+    if spec in PRESET_NAMES:
         return get_config(spec, **overrides)
     if not os.path.isfile(spec):
-        raise ValueError(f"{spec!r} is neither a model preset ({', '.join([*PRESETS, *MOE_PRESETS])}) nor a "
-                         "config.json file")
+        raise ValueError(f"{spec!r} is neither a model preset ({', '.join(PRESET_NAMES)}) nor a config.json file")
     with open(spec) as f:
         return dataclasses.replace(config_from_hf(json.load(f)), **overrides)
 
@@ -169,12 +182,31 @@ def active_params(config: LlamaConfig) -> float:
     return muon_params(config) - experts + experts * config.experts_per_token / max(config.n_experts, 1)
 
 
-def forward_backward_flops(config: LlamaConfig, tokens: int, seq_len: int) -> float:
+def forward_backward_flops(config: LlamaConfig | VLAConfig, tokens: int, seq_len: int) -> float:
     """``6·P·T + 12·L·(heads·head_dim)·S·T`` (module docstring), P = hidden matrices a token
-    passes through (:func:`active_params`) + head."""
+    passes through (:func:`active_params`) + head. A VLA: :func:`vla_forward_backward_flops`."""
+    if isinstance(config, VLAConfig):
+        return vla_forward_backward_flops(config, tokens / config.max_seq_len)
     in_products = active_params(config) + config.vocab_size * config.dim
     attention = 12 * config.n_layers * config.n_heads * config.head_dim * seq_len
     return float(tokens) * (6 * in_products + attention)
+
+
+def vla_forward_backward_flops(config: VLAConfig, samples: float) -> float:
+    """The same count per stream of a VLA's ``samples``: the vision tower's products on the
+    patches (forward only, 2·P·T, when frozen), the projector and language model on the patches
+    and prompt, the head on the prompt, the action expert on the action tokens; attention over
+    the tokens each stream's queries see."""
+    vision, lm, act = config.vision, config.language, config.action
+    patches, prefix, actions = vision.n_patches, config.prefix_tokens, config.action_steps
+    tower = sum(m * n for _, m, n in vision.matrices()) * patches + 2 * vision.n_layers * vision.dim * patches**2
+    tower *= 2 if config.freeze_vision else 6
+    lm_block, act_block = (sum(m * n for _, m, n in block_matrices(c)) for c in (lm, act))
+    attention = 12 * lm.n_layers * lm.n_heads * lm.head_dim * config.max_seq_len
+    language = prefix * (6 * (lm.n_layers * lm_block + lm.dim * vision.dim) + attention)
+    expert = actions * (6 * act.n_layers * act_block + attention)
+    head = 6 * config.text_tokens * lm.vocab_size * lm.dim
+    return samples * (tower + language + expert + head)
 
 
 def measured_mfu(config: LlamaConfig, tokens: int, seq_len: int, seconds: float, profile: HardwareProfile) -> float:
@@ -235,6 +267,8 @@ class Workload:
             raise ValueError(f"Invalid pp={pp}: more pipeline stages than the model's {config.n_layers} layers.")
         if ep > 1 and not config.n_experts:
             raise ValueError(f"Invalid ep={ep}: the model has no experts.")
+        if (tp, pp) != (1, 1) and isinstance(config, VLAConfig):
+            raise ValueError(f"Invalid tp={tp}, pp={pp}: an embodied (VLA) model is planned for data parallel only.")
         if self.group_size % ep or config.n_experts % ep:
             raise ValueError(f"Invalid ep={ep}: it must divide a stage's {self.group_size} ranks and the "
                              f"{config.n_experts} experts.")
@@ -254,6 +288,8 @@ class Workload:
         """The first pipeline stage's share of the model (the most layers: ⌈L/pp⌉), whose
         optimizer the plan describes; the stages differ only in names and in which holds the
         embeddings and the head."""
+        if self.pp == 1:
+            return self.config
         return dataclasses.replace(self.config, n_layers=-(-self.config.n_layers // self.pp))
 
     @property
@@ -508,6 +544,11 @@ def fsdp_params(workload: Workload, mode: str) -> tuple[int, int]:
     return total - expert_params(config), expert_params(config)
 
 
+def frozen_params(config: LlamaConfig | VLAConfig) -> int:
+    """Parameters no optimizer steps (a VLA's frozen tower): gathered, never reduced."""
+    return param_count(config) - trainable_params(config)
+
+
 def data_parallel_collectives(workload: Workload, mode: str | None = None) -> list[tuple[str, float, int]]:
     """(kind, bytes per rank, calls) of the forward+backward's own collectives in ``mode``
     (default: the workload's); kinds and their ring bytes as in :data:`dmuon.tools.hardware.RING_BYTES`.
@@ -526,18 +567,19 @@ def data_parallel_collectives(workload: Workload, mode: str | None = None) -> li
     n, config = workload.world_size, workload.config
     if n == 1:
         return []
-    total = param_count(config)
+    total = trainable_params(config)
     train = torch.empty(0, dtype=workload.profile.train_dtype).element_size()
     if mode == "ddp":
         return [("all_reduce", RING_BYTES["all_reduce"](n) * total * 4, -(-total * 4 // DDP_BUCKET_BYTES))]
     groups = workload.stage_config.n_layers + 1
     dense, experts = fsdp_params(workload, mode)
-    full = [(dense / workload.pp / workload.tp, workload.dp),
-            (experts / workload.pp / workload.ep, workload.group_size // workload.ep)]
+    frozen = frozen_params(config)  # in the dense group (data parallel only)
+    full = [(dense / workload.pp / workload.tp, frozen, workload.dp),
+            (experts / workload.pp / workload.ep, 0, workload.group_size // workload.ep)]
     collectives = [(kind, RING_BYTES[kind](ranks) * nbytes, calls)
-                   for params, ranks in full if params and ranks > 1
+                   for params, frozen, ranks in full if params and ranks > 1
                    for kind, nbytes, calls in (("all_gather", 2 * params * train, 2 * groups),
-                                               ("reduce_scatter", params * 4, groups))]
+                                               ("reduce_scatter", (params - frozen) * 4, groups))]
     if mode == "owner":
         matrices = len(muon_units(config))
         collectives += [(kind, RING_BYTES[kind](n) * nbytes, matrices) for kind, nbytes in
@@ -562,7 +604,7 @@ def data_parallel_copy_seconds(workload: Workload, mode: str | None = None) -> f
     if workload.world_size == 1:
         return 0.0
     if mode == "ddp":
-        return memory_seconds(DDP_COPY_BYTES * param_count(workload.config), workload)
+        return memory_seconds(DDP_COPY_BYTES * trainable_params(workload.config), workload)
     dense, experts = fsdp_params(workload, mode)
     gathered = (dense / workload.tp + experts / workload.ep) / workload.pp
     return memory_seconds(FSDP_COPY_BYTES * gathered, workload)
@@ -579,9 +621,9 @@ def local_params(total: int, workload: Workload, mode: str) -> float:
     return total if mode == "ddp" else total / workload.world_size
 
 
-def adamw_params(config: LlamaConfig) -> int:
-    """Parameters dmuon gives to AdamW: embeddings, output head, norms."""
-    return param_count(config) - muon_params(config)
+def adamw_params(config: LlamaConfig | VLAConfig) -> int:
+    """Trained parameters dmuon gives to AdamW: embeddings, output head, norms."""
+    return trainable_params(config) - muon_params(config)
 
 
 def adamw_seconds(params: float, workload: Workload) -> float:
@@ -589,8 +631,8 @@ def adamw_seconds(params: float, workload: Workload) -> float:
 
 
 def adamw_step_seconds(workload: Workload, mode: str) -> float:
-    """``torch.optim.AdamW`` on every local parameter, memory-bound."""
-    return adamw_seconds(local_params(param_count(workload.config), workload, mode), workload)
+    """``torch.optim.AdamW`` on every local trained parameter, memory-bound."""
+    return adamw_seconds(local_params(trainable_params(workload.config), workload, mode), workload)
 
 
 def vanilla_muon_step_seconds(workload: Workload, mode: str) -> float:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import dmuon
+from dmuon.routing import default_route, module_roles
 from dmuon.tools.cli import (
     check_fits,
     check_seq_len,
@@ -43,13 +44,17 @@ OptimizerFactory = Callable[[Llama, float, float], list[torch.optim.Optimizer]]
 """Builds the optimizer(s) of one configuration from ``(model, lr, weight_decay)``."""
 
 
-def hidden_matrices(model: Llama) -> list[nn.Parameter]:
-    """The Linear weights inside the transformer blocks: what Muon is meant for.
+def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The trained 2-D parameters that ``dmuon.Muon(model)`` routes to Muon: what Muon is meant
+    for (the transformer blocks' Linear weights, a VLA's projector), so that vanilla Muon and dmuon
+    orthogonalize the same matrices.
 
     Embedding, ``lm_head`` and norm weights are not hidden matrices (their
     rows are looked up or scored independently), so they stay with AdamW.
     """
-    return [module.weight for module in model.layers.modules() if isinstance(module, nn.Linear)]
+    roles = module_roles(model)
+    return [p for name, p in model.named_parameters() if p.requires_grad and p.ndim == 2
+            and default_route(p, name, roles.get(id(p))).algorithm == "muon"]
 
 
 def adamw(model: Llama, lr: float, weight_decay: float) -> list[torch.optim.Optimizer]:

@@ -41,7 +41,8 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
-from dmuon.tools.models import Llama, LlamaConfig, SyntheticTokens
+from dmuon.tools.models import LlamaConfig, VLAConfig
+from dmuon.tools.workloads import build_model, local_batch, make_data, training_loss
 
 GB = 1e9
 TERA = 1e12
@@ -492,31 +493,32 @@ def measure_cpu_profile(threads: int = 1) -> HardwareProfile:
 
 @dataclass(frozen=True)
 class OneRankSeconds:
-    """One rank alone training ``Llama(config)`` as ``dmuon bench`` does (fastest of a few steps)."""
+    """One rank alone training the model of ``config`` as ``dmuon bench`` does (fastest of a few steps)."""
 
     forward_backward: float
     optimizer_step: float  # dmuon.Muon with its defaults (AdamW on what is not a matrix)
     newton_schulz: float  # of which the Newton–Schulz calls (normalization and casts included)
 
 
-def measure_one_rank_seconds(config: LlamaConfig, batch: int, seq_len: int, threads: int = 1,
+def measure_one_rank_seconds(config: LlamaConfig | VLAConfig, batch: int, seq_len: int, threads: int = 1,
                              reps: int = 5) -> OneRankSeconds:
-    """Time forward+backward and ``dmuon.Muon``'s step of ``Llama(config)`` on ``batch``×``seq_len``
-    tokens in one process on the CPU, fp32 — what every rank of ``dmuon bench`` runs. Each step
-    follows a backward, as in training, so the optimizer meets the caches a backward leaves."""
+    """Time forward+backward and ``dmuon.Muon``'s step of the model of ``config`` on
+    ``batch``×``seq_len`` tokens (a VLA: ``batch`` samples) in one process on the CPU, fp32 — what
+    every rank of ``dmuon bench`` runs. Each step follows a backward, as in training, so the
+    optimizer meets the caches a backward leaves."""
     from dmuon.optimizer import Muon  # the cost model's layer sits above the optimizer
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = Llama(config)
+        model = build_model(config)
         optimizer = Muon(model, lr=1e-3)
-        inputs, targets = SyntheticTokens(config.vocab_size).batch(0, batch, seq_len)
+        data = local_batch(make_data(config), 0, batch, seq_len, 0, 1, torch.device("cpu"))
         forward_backward, optimizer_step = float("inf"), (float("inf"), 0.0)
         for rep in range(reps + 1):  # the first is a warm-up
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            model.loss(inputs, targets).backward()
+            training_loss(model, data).backward()
             middle = time.perf_counter()
             optimizer.step()
             end = time.perf_counter()

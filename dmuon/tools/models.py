@@ -1,4 +1,4 @@
-"""The built-in workload: a Llama-style decoder and a synthetic token stream.
+"""The built-in workloads' shapes, and a Llama-style decoder with a synthetic token stream.
 
 The demo, the benchmarks and the end-to-end tests all train the same model on
 the same data, so that their numbers can be compared with each other and so
@@ -6,6 +6,10 @@ that nothing has to be downloaded. The model has exactly the parameter shapes of
 the real Llama / Qwen checkpoints named in ``PRESETS`` (separate q/k/v/o and
 gate/up/down projections, grouped-query attention), because those shapes are
 what a distributed Muon has to partition and orthogonalize.
+
+The embodied (vision–language–action) workload's shapes are here too (:class:`VLAConfig`,
+``VLA_PRESETS``), so that the shape functions (:func:`muon_units`, :func:`param_count`, …) answer
+for every preset; its model and data are in :mod:`dmuon.tools.vla`.
 """
 
 from __future__ import annotations
@@ -23,8 +27,12 @@ __all__ = [
     "LlamaConfig",
     "PRESETS",
     "MOE_PRESETS",
+    "VLAConfig",
+    "VLA_PRESETS",
+    "VisionConfig",
     "get_config",
     "param_count",
+    "trainable_params",
     "Llama",
     "SyntheticTokens",
 ]
@@ -121,36 +129,218 @@ MOE_PRESETS: dict[str, LlamaConfig] = {
 }
 
 
-def get_config(name: str, **overrides: object) -> LlamaConfig:
-    """Return preset ``name`` (of :data:`PRESETS` or :data:`MOE_PRESETS`), with fields replaced by
-    ``overrides`` (e.g. ``n_layers=2``).
+@dataclass(frozen=True)
+class VisionConfig:
+    """Shape of a ViT vision tower: a ``patch_size`` convolution over ``image_size``² RGB images,
+    a learned position embedding per patch, ``n_layers`` pre-norm blocks (LayerNorm; q/k/v/o and
+    a GELU MLP ``fc1``/``fc2``, all with biases), a final LayerNorm."""
+
+    image_size: int
+    patch_size: int
+    dim: int
+    ffn_dim: int
+    n_layers: int
+    n_heads: int
+
+    def __post_init__(self) -> None:
+        for name in ("image_size", "patch_size", "dim", "ffn_dim", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"VisionConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.image_size % self.patch_size or self.dim % self.n_heads:
+            raise ValueError(f"patch_size ({self.patch_size}) must divide image_size ({self.image_size}) and "
+                             f"n_heads ({self.n_heads}) dim ({self.dim})")
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    def matrices(self) -> list[tuple[str, int, int]]:
+        """(name, rows, columns) of each block's Linear weights."""
+        d, f = self.dim, self.ffn_dim
+        block = [("q_proj", d, d), ("k_proj", d, d), ("v_proj", d, d), ("o_proj", d, d), ("fc1", f, d), ("fc2", d, f)]
+        return [(f"vision.layers.{i}.{name}.weight", m, n) for i in range(self.n_layers) for name, m, n in block]
+
+    def param_count(self) -> int:
+        matrices = sum(m * n for _, m, n in self.matrices())
+        biases_and_norms = self.n_layers * (4 * self.dim + self.ffn_dim + self.dim + 4 * self.dim) + 2 * self.dim
+        patch = self.dim * (3 * self.patch_size**2 + 1)
+        return matrices + biases_and_norms + patch + self.n_patches * self.dim
+
+
+@dataclass(frozen=True)
+class VLAConfig:
+    """Shape of an embodied foundation model (vision–language–action), after π0: a vision tower
+    whose patches a ``projector`` maps into a language model's width, the language model over
+    [image patches, prompt tokens], and an action expert — a decoder of the language model's
+    depth and attention heads at a width of its own — over ``action_steps`` action tokens, which
+    attend to the language model's keys and values at every layer (one attention per depth over
+    both streams). Its input and output are ``action.embed``/``action.head`` (action_size ↔ its
+    width). ``freeze_vision``: the tower is not trained (the usual recipe), so its matrices are
+    in no optimizer's step.
+
+    Routing (``dmuon.Muon(model)``): the blocks' matrices and the projector to Muon; the token
+    embedding, ``lm_head``, the action embed/head, norms and biases to AdamW, and — when the tower
+    trains — its patch convolution and position embedding to AdamW too: they are the tower's
+    input embedding, which Muon's rule leaves to AdamW like a token embedding (a convolution
+    named ``*embed*`` is an embedding to dmuon's routing, not a hidden kernel to flatten).
+    """
+
+    vision: VisionConfig
+    language: LlamaConfig
+    action: LlamaConfig  # vocab_size unused (1); depth and attention heads the language model's
+    action_size: int  # numbers per action step
+    action_steps: int  # action tokens per sample (the chunk predicted at once)
+    text_tokens: int  # prompt tokens per sample
+    freeze_vision: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("action_size", "action_steps", "text_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"VLAConfig.{name} must be >= 1, got {getattr(self, name)}")
+        joint = ("n_layers", "n_heads", "n_kv_heads", "head_dim")
+        if any(getattr(self.action, k) != getattr(self.language, k) for k in joint):
+            raise ValueError(f"the action expert attends with the language model: its {joint} must be the language "
+                             f"model's {tuple(getattr(self.language, k) for k in joint)}, got "
+                             f"{tuple(getattr(self.action, k) for k in joint)}")
+        if self.language.n_experts or self.action.n_experts:
+            raise ValueError("the VLA's language model and action expert are dense")
+        if self.max_seq_len > self.language.max_seq_len:
+            raise ValueError(f"{self.max_seq_len} tokens per sample exceed the language model's max_seq_len "
+                             f"{self.language.max_seq_len}")
+
+    # What the cost model reads of a decoder's config.
+    n_experts = 0
+    experts_per_token = 0
+
+    @property
+    def n_layers(self) -> int:
+        return self.language.n_layers
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Image patches and prompt tokens: what the language model reads."""
+        return self.vision.n_patches + self.text_tokens
+
+    @property
+    def max_seq_len(self) -> int:
+        """Tokens of one sample's joint sequence: image patches, prompt tokens, action tokens."""
+        return self.prefix_tokens + self.action_steps
+
+    def with_layers(self, n_layers: int) -> VLAConfig:
+        """The same widths at another depth of the language model and action expert."""
+        return dataclasses.replace(self, language=dataclasses.replace(self.language, n_layers=n_layers),
+                                   action=dataclasses.replace(self.action, n_layers=n_layers))
+
+    def muon_units(self) -> list[tuple[str, int, int, int]]:
+        """The trained Muon matrices in the model's order (:func:`muon_units`)."""
+        vision = [] if self.freeze_vision else [(name, 1, m, n) for name, m, n in self.vision.matrices()]
+        projector = [("projector.weight", 1, self.language.dim, self.vision.dim)]
+        per_layer = {stream: block_matrices(config) for stream, config in
+                     (("language", self.language), ("action", self.action))}
+        joint = [(f"layers.{i}.{stream}.{name}", 1, m, n) for i in range(self.n_layers)
+                 for stream in ("language", "action") for name, m, n in per_layer[stream]]
+        return vision + projector + joint
+
+    def param_count(self) -> int:
+        """Every parameter, the frozen tower's included."""
+        return self.trainable_params() + (self.vision.param_count() if self.freeze_vision else 0)
+
+    def trainable_params(self) -> int:
+        """The parameters an optimizer steps (the tower's only when it trains)."""
+        lm, act = self.language, self.action
+        vision = 0 if self.freeze_vision else self.vision.param_count()
+        blocks = self.n_layers * sum(m * n for config in (lm, act) for _, m, n in block_matrices(config))
+        norms = self.n_layers * 2 * (lm.dim + act.dim) + lm.dim + act.dim
+        embeddings = lm.vocab_size * lm.dim * (1 if lm.tie_embeddings else 2)
+        projector = lm.dim * (self.vision.dim + 1)
+        action_io = 2 * self.action_size * act.dim + self.action_size + act.dim
+        return vision + blocks + norms + embeddings + projector + action_io
+
+
+def block_matrices(config: LlamaConfig) -> list[tuple[str, int, int]]:
+    """(name in a ``Block``, rows, columns) of a dense decoder block's Linear weights."""
+    q, kv, d, f = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.dim, config.ffn_dim
+    return [("attn.q_proj.weight", q, d), ("attn.k_proj.weight", kv, d), ("attn.v_proj.weight", kv, d),
+            ("attn.o_proj.weight", d, q), ("mlp.gate_proj.weight", f, d), ("mlp.up_proj.weight", f, d),
+            ("mlp.down_proj.weight", d, f)]
+
+
+def _gemma_like(vocab_size: int, dim: int, ffn_dim: int, n_layers: int, n_heads: int, n_kv_heads: int,
+                head_dim: int, max_seq_len: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab_size, dim=dim, ffn_dim=ffn_dim, n_layers=n_layers, n_heads=n_heads,
+                       n_kv_heads=n_kv_heads, head_dim=head_dim, max_seq_len=max_seq_len, tie_embeddings=True,
+                       norm_eps=1e-6)
+
+
+# Embodied (vision–language–action) models. Parameter counts: dmuon plan prints them.
+VLA_PRESETS: dict[str, VLAConfig] = {
+    # Tests: every width different, a forward/backward takes milliseconds.
+    "vla-tiny": VLAConfig(
+        vision=VisionConfig(image_size=16, patch_size=8, dim=24, ffn_dim=48, n_layers=2, n_heads=2),
+        language=_gemma_like(100, 32, 64, 2, 4, 2, 8, 128),
+        action=_gemma_like(1, 16, 48, 2, 4, 2, 8, 128),
+        action_size=3, action_steps=4, text_tokens=8,
+    ),
+    # π0's three widths and its proportions, scaled for a 2-core CPU (dmuon bench --preset vla):
+    # a 288-wide vision tower (6 layers, frozen), a 512-wide language model (4 layers, 8 heads and
+    # 1 kv head of 64; 2,500-token vocabulary, tied) and a 256-wide action expert; 8×8 patches of
+    # 32×32 images (16 patches), 16 prompt tokens, 8 action steps of 8 numbers: 40 tokens a sample.
+    # 26.3 M parameters: 5.8 M in the frozen tower, 20.5 M trained, 19.4 M of them in 57 Muon matrices.
+    "vla": VLAConfig(
+        vision=VisionConfig(image_size=32, patch_size=8, dim=288, ffn_dim=1072, n_layers=6, n_heads=4),
+        language=_gemma_like(2500, 512, 2048, 4, 8, 1, 64, 2048),
+        action=_gemma_like(1, 256, 1024, 4, 8, 1, 64, 2048),
+        action_size=8, action_steps=8, text_tokens=16,
+    ),
+    # π0's shapes (Physical Intelligence, 2024): SigLIP So400m/14 at 224² (27 layers, 1152 wide,
+    # MLP 4304, 16 heads; 256 patches), Gemma 2B (18 layers, 2048 wide, MLP 16384, 8 heads and 1
+    # kv head of 256, vocabulary 257,152, tied) and a 1024-wide action expert (MLP 4096) over
+    # 50 action steps of 32 numbers; 48 prompt tokens (354 tokens a sample). 3.23 B parameters:
+    # 0.41 B in the frozen tower, 2.82 B trained, 2.30 B of them in 253 Muon matrices.
+    "pi0": VLAConfig(
+        vision=VisionConfig(image_size=224, patch_size=14, dim=1152, ffn_dim=4304, n_layers=27, n_heads=16),
+        language=_gemma_like(257152, 2048, 16384, 18, 8, 1, 256, 8192),
+        action=_gemma_like(1, 1024, 4096, 18, 8, 1, 256, 8192),
+        action_size=32, action_steps=50, text_tokens=48,
+    ),
+}
+
+
+def get_config(name: str, **overrides: object) -> LlamaConfig | VLAConfig:
+    """Return preset ``name`` (of :data:`PRESETS`, :data:`MOE_PRESETS` or :data:`VLA_PRESETS`),
+    with fields replaced by ``overrides`` (e.g. ``n_layers=2``; of a VLA only ``n_layers``, the
+    language model's and action expert's depth).
 
     Shrinking the depth of a real shape keeps every matrix shape real while
     making the model small enough to instantiate in a test.
     """
-    presets = {**PRESETS, **MOE_PRESETS}
+    presets = {**PRESETS, **MOE_PRESETS, **VLA_PRESETS}
     try:
         config = presets[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; valid names: {', '.join(presets)}") from None
+    if isinstance(config, VLAConfig):
+        unknown = set(overrides) - {"n_layers"}
+        if unknown:
+            raise ValueError(f"a VLA preset takes only n_layers as an override, got {sorted(unknown)}")
+        return config.with_layers(int(overrides["n_layers"])) if overrides else config
     return dataclasses.replace(config, **overrides)
 
 
-def muon_units(config: LlamaConfig) -> list[tuple[str, int, int, int]]:
-    """(name, matrices, rows, columns) of every Muon parameter, in the model's order: each
+def muon_units(config: LlamaConfig | VLAConfig) -> list[tuple[str, int, int, int]]:
+    """(name, matrices, rows, columns) of every trained Muon parameter, in the model's order: each
     block's q/k/v/o weights, then its gate/up/down weights (``nn.Linear`` weights are out×in) or,
     in a mixture of experts, its router and its three expert stacks. Embeddings, head and norms
-    go to AdamW."""
-    q, kv, d, f = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.dim, config.ffn_dim
-    block = {"attn.q_proj.weight": (1, q, d), "attn.k_proj.weight": (1, kv, d), "attn.v_proj.weight": (1, kv, d),
-             "attn.o_proj.weight": (1, d, q)}
+    go to AdamW. A VLA: :meth:`VLAConfig.muon_units`."""
+    if isinstance(config, VLAConfig):
+        return config.muon_units()
+    block = {name: (1, m, n) for name, m, n in block_matrices(config)}
     if config.n_experts:
-        e, g = config.n_experts, config.expert_ffn_dim
+        e, g, d = config.n_experts, config.expert_ffn_dim, config.dim
+        for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            del block[name]
         block.update({"mlp.router.weight": (1, e, d), "mlp.experts.gate_proj": (e, g, d),
                       "mlp.experts.up_proj": (e, g, d), "mlp.experts.down_proj": (e, d, g)})
-    else:
-        block.update({"mlp.gate_proj.weight": (1, f, d), "mlp.up_proj.weight": (1, f, d),
-                      "mlp.down_proj.weight": (1, d, f)})
     return [(f"layers.{i}.{name}", *shape) for i in range(config.n_layers) for name, shape in block.items()]
 
 
@@ -162,11 +352,14 @@ def matrix_shapes(config: LlamaConfig) -> list[tuple[str, int, int]]:
     return [(name, m, n) for name, _, m, n in muon_units(config)]
 
 
-def param_count(config: LlamaConfig) -> int:
-    """Number of parameters of ``Llama(config)``, computed from the shapes alone.
+def param_count(config: LlamaConfig | VLAConfig) -> int:
+    """Number of parameters of ``Llama(config)`` (or of the VLA, frozen ones included), computed
+    from the shapes alone.
 
     Lets benchmarks and planners size the real presets without allocating them.
     """
+    if isinstance(config, VLAConfig):
+        return config.param_count()
     d = config.dim
     block = sum(count * m * n for _, count, m, n in muon_units(dataclasses.replace(config, n_layers=1)))
     block += 2 * d  # two RMSNorm weights
@@ -174,14 +367,28 @@ def param_count(config: LlamaConfig) -> int:
     return embeddings + config.n_layers * block + d  # final norm
 
 
-def training_bytes(config: LlamaConfig, sequences: int, seq_len: int, models: int = 1) -> tuple[int, int]:
+def trainable_params(config: LlamaConfig | VLAConfig) -> int:
+    """The parameters an optimizer steps: all of a Llama's, a VLA's less its frozen tower."""
+    return config.trainable_params() if isinstance(config, VLAConfig) else param_count(config)
+
+
+def training_bytes(config: LlamaConfig | VLAConfig, sequences: int, seq_len: int, models: int = 1
+                   ) -> tuple[int, int]:
     """A lower bound on the memory one process needs to train ``models`` copies of
     ``Llama(config)`` in fp32 on a batch of ``sequences`` × ``seq_len`` tokens, as (bytes of the
     parameters: weights, gradients and at least one optimizer state, 12 per parameter; bytes of
     the activations autograd keeps for one batch: per token and layer at least 4·dim +
     4·ffn_dim floats (the norms' inputs and outputs, the MLP's four ffn-wide tensors), and two
     floats per vocabulary entry for the log-softmax and its gradient). The command line refuses
-    what is over the machine's memory before it starts."""
+    what is over the machine's memory before it starts. A VLA: ``sequences`` samples of its own
+    length, each token counted at the language model's widths (the expert is narrower), its
+    frozen tower's weights at 4 bytes (no gradient, no state) and its activations not kept."""
+    if isinstance(config, VLAConfig):
+        frozen = config.param_count() - config.trainable_params()
+        params = 12 * config.trainable_params() + 4 * frozen
+        per_token = config.n_layers * (4 * config.language.dim + 4 * config.language.ffn_dim)
+        per_sample = config.max_seq_len * per_token + 2 * config.text_tokens * config.language.vocab_size
+        return params * models, 4 * sequences * per_sample
     tokens = sequences * seq_len
     per_token = config.n_layers * (4 * config.dim + 4 * config.ffn_dim) + 2 * config.vocab_size
     return 12 * param_count(config) * models, 4 * tokens * per_token

@@ -27,6 +27,7 @@ from dmuon.tools.costmodel import (
     DEFAULT_SEQ_LEN,
     DEFAULT_TOKENS_PER_RANK,
     MODES,
+    PRESET_NAMES,
     Workload,
     load_model_config,
     measured_mfu,
@@ -34,7 +35,7 @@ from dmuon.tools.costmodel import (
     stage_plan,
 )
 from dmuon.tools.hardware import DEFAULT_GPU_MFU, HARDWARE_NAMES, HardwareProfile, get_profile, measure_one_rank_seconds
-from dmuon.tools.models import MOE_PRESETS, PRESETS, LlamaConfig, muon_units, param_count
+from dmuon.tools.models import LlamaConfig, VLAConfig, muon_units, param_count, trainable_params
 from dmuon.tools.simulate import Prediction, measured_elementwise_efficiency, predict
 
 PER_RANK_TABLE_MAX = 16  # world sizes up to this print one row per rank
@@ -47,8 +48,8 @@ MAX_LAYERS = 1024
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.1-8b",
-                        help=f"preset name ({', '.join([*PRESETS, *MOE_PRESETS])}) or path to a config.json "
-                             "(default: %(default)s)")
+                        help=f"preset name ({', '.join(PRESET_NAMES)}; vla and pi0: embodied models) or path to a "
+                             "config.json (default: %(default)s)")
     parser.add_argument("--world-size", type=positive_int, default=8,
                         help="ranks in all: tp x pp x data-parallel ranks (default: %(default)s)")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks (default: %(default)s)")
@@ -80,13 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the prediction as one JSON record (default: none)")
 
 
-def _model_config(spec: str, layers: int | None) -> LlamaConfig:
+def _model_config(spec: str, layers: int | None) -> LlamaConfig | VLAConfig:
     """``--model``'s config, or a :class:`UsageError` that says what is wrong with it."""
-    if spec not in PRESETS and spec not in MOE_PRESETS and not os.path.isfile(spec):
+    if spec not in PRESET_NAMES and not os.path.isfile(spec):
         looks_like_a_path = spec.endswith(".json") or os.sep in spec
         what = "no such file" if looks_like_a_path else "unknown model"
         raise UsageError("--model", f"invalid value {spec!r}: {what}; give a preset name "
-                                    f"({', '.join([*PRESETS, *MOE_PRESETS])}) or the path of a config.json")
+                                    f"({', '.join(PRESET_NAMES)}) or the path of a config.json")
     try:
         return load_model_config(spec, layers)
     except (OSError, ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
@@ -103,6 +104,12 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UsageError("--world-size", f"invalid value {args.world_size}: at most {MAX_WORLD_SIZE} (the plan "
                                          "keeps a few kB per rank)")
     args.config = config = _model_config(args.model, args.layers)
+    if isinstance(config, VLAConfig):
+        if args.seq_len is not None:
+            raise UsageError("--seq-len", f"a {args.model} sample is {config.max_seq_len} tokens "
+                                          f"({config.vision.n_patches} image patches, {config.text_tokens} prompt and "
+                                          f"{config.action_steps} action tokens): leave --seq-len out")
+        args.seq_len = config.max_seq_len
     if args.seq_len is None:
         args.seq_len = min(DEFAULT_SEQ_LEN, config.max_seq_len)
     elif args.seq_len > config.max_seq_len:
@@ -240,10 +247,13 @@ def run(args: argparse.Namespace) -> int:
     in_stacks = f", {len(stacks)} of them stacks of {stacks[0]} experts" if stacks else ""
     layout = (f", tp {args.tp} x pp {args.pp} x ep {args.ep}: stages of {workload.group_size} ranks, "
               f"dp {workload.dp}" if (args.tp, args.pp, args.ep) != (1, 1, 1) else "")
-    print(f"dmuon plan: {args.model} ({count_text(param_count(config))} parameters, "
+    frozen = param_count(config) - trainable_params(config)
+    frozen_text = f", {count_text(frozen)} frozen" if frozen else ""
+    print(f"dmuon plan: {args.model} ({count_text(param_count(config))} parameters{frozen_text}, "
           f"{count_text(muon_params(config))} in {len(units)} Muon parameters{in_stacks}), "
           f"{args.world_size} x {profile.name}, {args.mode}{layout}")
-    print(f"tokens per step {tokens:,} ({workload.tokens_per_rank:,} per rank, sequences of {args.seq_len:,}); "
+    sequences = "samples" if isinstance(config, VLAConfig) else "sequences"
+    print(f"tokens per step {tokens:,} ({workload.tokens_per_rank:,} per rank, {sequences} of {args.seq_len:,}); "
           f"Newton–Schulz: {prediction.ns_recipe}")
     print(f"hardware: {profile.source}\n")
     print(strategies_table(prediction, workload.stage_config.n_layers) + "\n")

@@ -74,7 +74,7 @@ from dmuon.tools.costmodel import (
     stage_plan,
     vanilla_muon_step_seconds,
 )
-from dmuon.tools.models import param_count
+from dmuon.tools.models import trainable_params
 
 
 @dataclass
@@ -491,10 +491,10 @@ def _flops_per_rank(stage: StagePlan, workload: Workload) -> Tensor:
 
 def optimizer_state_bytes(workload: Workload) -> tuple[float, float]:
     """Per rank, the optimizer state of (dmuon, AdamW): dmuon keeps one fp32 momentum per Muon
-    element and AdamW's two moments for the rest; AdamW two moments for every element."""
+    element and AdamW's two moments for the rest; AdamW two moments for every trained element."""
     mode = "ddp" if workload.mode == "ddp" else "fsdp2"
     local_muon = local_params(muon_params(workload.config), workload, mode)
-    local_all = local_params(param_count(workload.config), workload, mode)
+    local_all = local_params(trainable_params(workload.config), workload, mode)
     return 4 * local_muon + 8 * (local_all - local_muon), 8 * local_all
 
 

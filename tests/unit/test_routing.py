@@ -192,3 +192,19 @@ def test_add_param_group_with_bare_tensors_finds_their_names_in_the_model():
     with pytest.raises(ValueError, match="not in the model it was built from: pass \\(name, tensor\\) pairs"):
         opt.add_param_group({"params": list(other.parameters())})
     assert len(opt.param_groups) == 2
+
+
+def test_a_convolution_named_as_an_embedding_is_an_embedding_and_frozen_ones_are_in_no_plan():
+    """Rule 2 before rule 4: a ViT's patch convolution is its input embedding (AdamW), another
+    convolution a kernel Muon flattens; a frozen matrix stays routed but in no plan until it trains."""
+    vit = nn.ModuleDict({"patch_embed": nn.Conv2d(3, 8, 4, stride=4), "conv": nn.Conv2d(8, 8, 3),
+                         "hidden": nn.Linear(8, 8), "frozen": nn.Linear(8, 8)})
+    vit["frozen"].requires_grad_(False)
+    opt = dmuon.Muon(vit)
+    routes = opt.routes()
+    assert (routes["patch_embed.weight"].algorithm, routes["patch_embed.weight"].reason) == ("adamw", "embedding")
+    assert routes["conv.weight"].algorithm == "muon" and "flattened" in routes["conv.weight"].reason
+    assert routes["frozen.weight"].algorithm == "muon"
+    assert [u.name for u in opt.plan.units] == ["conv.weight", "hidden.weight"]
+    vit["frozen"].requires_grad_(True)
+    assert [u.name for u in opt.plan.units] == ["conv.weight", "hidden.weight", "frozen.weight"]
