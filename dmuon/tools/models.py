@@ -253,7 +253,7 @@ class VLAConfig:
         norms = self.n_layers * 2 * (lm.dim + act.dim) + lm.dim + act.dim
         embeddings = lm.vocab_size * lm.dim * (1 if lm.tie_embeddings else 2)
         projector = lm.dim * (self.vision.dim + 1)
-        action_io = 2 * self.action_size * act.dim + self.action_size + act.dim
+        action_io = 2 * self.action_size * act.dim + act.dim  # embed's bias; the head has none
         return vision + blocks + norms + embeddings + projector + action_io
 
 

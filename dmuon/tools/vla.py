@@ -130,7 +130,9 @@ class VLA(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.action = nn.ModuleDict({"embed": nn.Linear(config.action_size, act.dim),
                                      "norm": nn.RMSNorm(act.dim, eps=act.norm_eps),
-                                     "head": nn.Linear(act.dim, config.action_size)})
+                                     # no bias, as lm_head: the model's outputs are then no views,
+                                     # which FSDP2's root would warn about
+                                     "head": nn.Linear(act.dim, config.action_size, bias=False)})
         self.init_weights(seed)
         self.vision.requires_grad_(not config.freeze_vision)
 
