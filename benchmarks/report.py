@@ -1,0 +1,220 @@
+"""BENCHMARKS.md, written from the measurements' JSON in ``benchmarks/results/``.
+
+    python benchmarks/report.py                       # rewrite BENCHMARKS.md from the JSON
+    python benchmarks/report.py --measure             # rerun every measurement first (about 20 min, 2 cores)
+    python benchmarks/report.py --measure bench-vla   # rerun some of them (names: MEASUREMENTS)
+
+Each measurement is one or more commands of the ``dmuon`` tools with ``--json``; its file in
+``benchmarks/results/`` holds their JSON with the command, the machine class, torch's version and
+the commit it ran at, which its table prints beside it. A measurement that cannot run here (the
+peers not installed) keeps its last file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PLAN_CASES = [  # (model, world size, extra flags): the paper's workloads at 64-1024 GPUs
+    ("llama-3.1-8b", 64, []), ("llama-3.1-8b", 256, []), ("llama-3.1-70b", 256, []),
+    ("llama-3.1-70b", 1024, []), ("qwen3-30b-a3b", 256, ["--tp", "8", "--pp", "4", "--ep", "8"]),
+    ("vla", 64, []), ("pi0", 64, []), ("pi0", 256, []),
+]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    question: str
+    commands: list[list[str]]  # "{out}": the JSON path of each command
+
+
+MEASUREMENTS = {
+    "bench-llm": Measurement("What a step costs over AdamW and vanilla Muon: a Llama-style LLM",
+                             [["dmuon", "bench", "--json", "{out}"]]),
+    "bench-vla": Measurement("What a step costs over AdamW and vanilla Muon: the embodied model",
+                             [["dmuon", "bench", "--preset", "vla", "--json", "{out}"]]),
+    "peers": Measurement("The optimizer step beside other distributed Muons",
+                         [["dmuon", "bench", "--peers", "--configs", "ddp-dmuon,fsdp-dmuon", "--json", "{out}"]]),
+    "plan": Measurement("Predicted at scale: dmuon plan on H100s",
+                        [["dmuon", "plan", "--model", model, "--world-size", str(world), "--hardware", "h100", *extra,
+                          "--json", "{out}"] for model, world, extra in PLAN_CASES]),
+    "exchange-bytes": Measurement("Bytes per rank in 2-D layouts",
+                                  [[sys.executable, "benchmarks/exchange_bytes.py", "--json", "{out}"]]),
+    "quality": Measurement("Training quality on real text", [["dmuon", "quality", "--json", "{out}"]]),
+}
+
+
+def machine_class() -> str:
+    """E.g. "2-core Intel Xeon (AMX, AVX512-BF16), no GPU": what bf16 speed depends on."""
+    flags = set()
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    features = [label for flag, label in (("amx_tile", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx2", "AVX2"))
+                if flag in flags][:2]
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    cores = len(os.sched_getaffinity(0))
+    return f"{cores}-core {name} ({', '.join(features) or 'no AVX2'}), {gpu}"
+
+
+def measure(name: str) -> None:
+    """Run measurement ``name``'s commands and write its results file."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, command in enumerate(MEASUREMENTS[name].commands):
+            out = f"{tmp}/{i}.json"
+            argv = [out if part == "{out}" else part for part in command]
+            print("$", " ".join(argv), file=sys.stderr, flush=True)
+            subprocess.run(argv, cwd=ROOT, check=True)
+            runs.append({"command": " ".join(p if p != "{out}" else "PATH" for p in command),
+                         "result": json.loads(Path(out).read_text())})
+    RESULTS.mkdir(exist_ok=True)
+    record = {"machine": machine_class(), "torch": torch.__version__, "commit": commit, "runs": runs}
+    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+# ------------------------------------------------------------------------------------ tables
+
+
+def ratio(value: float | None, halfwidth: float | None = None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.2f}×" + (f" ±{halfwidth:.0%}" if halfwidth else "")
+
+
+def provenance(record: dict) -> str:
+    commands = "\n".join(run["command"] for run in record["runs"])
+    return (f"```bash\n{commands}\n```\n\n{record['machine']}; torch {record['torch']}; "
+            f"commit {record['commit']}.\n")
+
+
+def bench_table(record: dict) -> str:
+    records = record["runs"][0]["result"]
+    lines = ["| configuration | step ms | step / AdamW's | step / vanilla Muon's | optimizer step / vanilla's "
+             "| peak memory / AdamW's | optimizer MB sent per step |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        mb = "–" if r["opt_bytes_per_step"] is None else f"{r['opt_bytes_per_step'] / 1e6:.1f}"
+        lines.append(f"| {r['config']} | {r['step_ms']:.0f} "
+                     f"| {ratio(r['step_vs_adamw'], r['step_vs_adamw_halfwidth'])} "
+                     f"| {ratio(r['step_vs_vanilla'], r['step_vs_vanilla_halfwidth'])} "
+                     f"| {ratio(r['opt_step_vs_vanilla'], r['opt_step_vs_vanilla_halfwidth'])} "
+                     f"| {ratio(r['mem_vs_adamw'])} | {mb} |")
+    warnings = sorted({w for r in records for w in r["warnings"]})
+    settled = "every ratio within ±10 % (95 % interval)" if not warnings else "not settled: " + "; ".join(warnings)
+    return "\n".join(lines) + f"\n\n{settled}.\n"
+
+
+def peers_table(record: dict) -> str:
+    records = [r for r in record["runs"][0]["result"] if "dmuon" in r["config"]]
+    peers = sorted({peer for r in records for peer in r["opt_step_vs_peer"]})
+    lines = ["| dmuon in | " + " | ".join(f"optimizer step / {p}'s" for p in peers) + " |",
+             "|---|" + "---:|" * len(peers)]
+    for r in records:
+        cells = [ratio(r["opt_step_vs_peer"][p]["median"], r["opt_step_vs_peer"][p]["halfwidth"])
+                 if p in r["opt_step_vs_peer"] else "–" for p in peers]
+        lines.append(f"| {r['config'].split('-')[0]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\nBelow 1: dmuon's optimizer step is the shorter.\n"
+
+
+def plan_table(record: dict) -> str:
+    lines = ["| model | GPUs | layout | dmuon optimizer step ms | step over AdamW's | vanilla Muon's step over "
+             "AdamW's | imbalance (max/mean NS) | optimizer state GB / rank (AdamW's) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for run in record["runs"]:
+        p = run["result"]
+        parallel = (p["tp"], p["pp"], p["ep"]) != (1, 1, 1)
+        layout = f"tp {p['tp']} × pp {p['pp']} × ep {p['ep']}" if parallel else p["mode"]
+        lines.append(f"| {p['model']} | {p['world_size']} | {layout} | {p['dmuon_opt_ms']:.1f} "
+                     f"| {p['overhead_vs_adamw']:+.1%} | {p['vanilla_overhead_vs_adamw']:+.1%} | {p['imbalance']:.2f} "
+                     f"| {p['dmuon_state_gb']:.2f} ({p['adamw_state_gb']:.2f}) |")
+    return "\n".join(lines) + "\n"
+
+
+def exchange_table(record: dict) -> str:
+    rows = record["runs"][0]["result"]
+    lines = ["| layout | mean kB | max kB | FSDP2's bound kB | mean / bound |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {r['mean_bytes'] / 1e3:.1f} | {r['max_bytes'] / 1e3:.1f} | {r['bound_bytes'] / 1e3:.1f} "
+              f"| {r['mean_bytes'] / r['bound_bytes']:.2f} |" for name, r in rows.items()]
+    return "\n".join(lines) + "\n"
+
+
+def quality_table(record: dict) -> str:
+    result = record["runs"][0]["result"]
+    target = result["settings"]["target_loss"]
+    lines = [f"| optimizer | lrs tried | best lr | final validation loss | steps to {target} | seconds to {target} |",
+             "|---|---|---:|---:|---:|---:|"]
+    for optimizer in dict.fromkeys(r["optimizer"] for r in result["runs"]):
+        runs = [r for r in result["runs"] if r["optimizer"] == optimizer]
+        best = next(r for r in runs if r["best"])
+        steps, seconds = best["steps_to_target"], best["seconds_to_target"]
+        tried = ", ".join(f"{r['lr']:g}" for r in runs)
+        lines.append(f"| {optimizer} | {tried} | {best['lr']:g} | {best['final_val_loss']:.4f} "
+                     f"| {steps or 'not reached'} | {'–' if seconds is None else f'{seconds:.1f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+SECTIONS = {  # measurement → (what the table shows, how to read it)
+    "bench-llm": (bench_table, "`dmuon bench`'s default run: the bench preset (27 M parameters, native bf16 products) "
+                  "or the demo preset where bf16 is emulated, 2 gloo ranks; every configuration steps in turn in the "
+                  "same ranks, ratios are medians of per-round ratios."),
+    "bench-vla": (bench_table, "The embodied preset `vla` (a frozen 6-layer ViT tower, a 512-wide language model and a "
+                  "256-wide action expert; 26.5 M parameters, 20.7 M trained), 2 gloo ranks, as above."),
+    "peers": (peers_table, "`dmuon bench --peers`: dmuon's optimizer step against every installed peer's in the same "
+              "ranks (the bench preset; Dion needs a git install and is left out where it is missing)."),
+    "plan": (plan_table, "`dmuon plan`'s predictions on the H100 profile (datasheet rates, MFU 0.4): the step's "
+             "overhead over AdamW's for dmuon and for vanilla distributed Muon."),
+    "exchange-bytes": (exchange_table, "4 gloo ranks, one dmuon step per layout: kB sent per rank against FSDP2's "
+                       "bound (exact byte counts, the same on every machine)."),
+    "quality": (quality_table, "Byte-level language modelling of the Python standard library's source: each "
+                "optimizer's best of four peak learning rates, 200 steps, one thread."),
+}
+
+
+def render() -> str:
+    parts = ["# Benchmarks\n",
+             "Written by `python benchmarks/report.py` from the JSON in `benchmarks/results/`; `python "
+             "benchmarks/report.py --measure` reruns every measurement on the machine at hand. Times on a shared "
+             "CPU are noisy: compare ratios within one table, each from one run.\n"]
+    for name, measurement in MEASUREMENTS.items():
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            continue
+        record = json.loads(path.read_text())
+        table, about = SECTIONS[name]
+        parts.append(f"## {measurement.question}\n\n{about}\n\n{provenance(record)}\n{table(record)}")
+    return "\n".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--measure", nargs="*", metavar="NAME", choices=list(MEASUREMENTS),
+                        help="rerun these measurements first (none named: all)")
+    args = parser.parse_args()
+    if args.measure is not None:
+        for name in args.measure or list(MEASUREMENTS):
+            measure(name)
+    (ROOT / "BENCHMARKS.md").write_text(render())
+
+
+if __name__ == "__main__":
+    main()
