@@ -275,7 +275,9 @@ class _Run:
         gets here at the same hook, the one that completes the first bucket)."""
         if self.group is None:
             return held
-        flag = torch.tensor([float(held)], device=self.device)
+        # one host read in the backward pass, where early start begins: every rank must know
+        # whether to issue the run's collectives
+        flag = torch.full((1,), float(held), device=self.device)
         return all_reduce_max(flag, self.group, self.context.counter).item() > 0
 
     def reduced(self, bucket: Reducing, held: bool = False) -> None:
@@ -306,8 +308,8 @@ class _Run:
             self.reducing = None
         while self.next is not None:
             self._advance()
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
+        if self.stream is not None:  # the stream of the run's device: not cuda:0's where set_device was never called
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
         stats, counter = self.context.stats, self.context.counter
         stats.bytes_sent, stats.collectives = counter.bytes_sent, counter.collectives
         stats.early_buckets = (begun, len(self.order))
@@ -319,7 +321,7 @@ class _Run:
         if self.stream is None:
             self.next = next(self.stages, None)
             return
-        self.stream.wait_stream(torch.cuda.current_stream())
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             self.next = next(self.stages, None)
 

@@ -59,8 +59,11 @@ def compile_kernels(backend: str | Callable = "inductor") -> CompiledKernels:
 
 
 def scalar(value: float | Tensor, device: torch.device) -> Tensor:
-    """A hyperparameter as the 0-D fp32 tensor the compiled kernels take."""
-    return torch.as_tensor(value, dtype=torch.float32, device=device)
+    """A hyperparameter as the 0-D fp32 tensor the compiled kernels take: a number is filled in
+    on the device (a fill kernel; ``as_tensor`` would copy it from the host and wait for the GPU)."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=torch.float32)
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def update_momentum_all(bufs: list[Tensor], grads: list[Tensor], momentum: float) -> None:

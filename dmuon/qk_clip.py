@@ -608,14 +608,11 @@ class QKClip:
         records = records if records is not None else torch.full((total,), NOT_RECORDED)
         records = records.to(self._device())
         codes = torch.zeros(len(self._slots) + 1, dtype=torch.float32, device=records.device)
-        for i, (name, slot) in enumerate(self._slots.items()):
-            part = records[slot]
-            if name in problems:
-                codes[i] = _BAD_RECORD
-            elif bool((part.isnan() | (part == math.inf)).any()):
-                codes[i] = _NONFINITE
+        nonfinite = records.isnan() | (records == math.inf)
+        for i, (name, slot) in enumerate(self._slots.items()):  # on the device: no host read per layer
+            codes[i] = _BAD_RECORD if name in problems else nonfinite[slot].any() * _NONFINITE
         codes[-1] = float(bool(unknown))
-        records = torch.where(records.isnan() | (records == math.inf), NOT_RECORDED, records)
+        records = torch.where(nonfinite, NOT_RECORDED, records)
         values = torch.cat([records, codes])
         if group is not None:
             all_reduce_max(values, group)

@@ -10,7 +10,7 @@ both as ``torch._foreach_*`` calls over the parameters of a group.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,10 +33,24 @@ class _Chunk:
     transposed: tuple[bool, ...]
     numel: int  # of this rank's pieces
 
+    indices: dict = field(default_factory=dict, compare=False)  # device -> positions there (a cache)
+
     @classmethod
     def of(cls, positions: list[int], works: list[MatrixWork]) -> _Chunk:
         return cls(tuple(positions), works[0].param_group, works[0].lr_scale, tuple(w.param for w in works),
                    tuple(w.exchange_transposed for w in works), sum(local(w.param).numel() for w in works))
+
+    def of_request(self, values: Tensor) -> Tensor:
+        """This chunk's entries of a request's ``values`` (on their device): a slice where the
+        positions run in a row, else an index made on the device once. Indexing by a Python list
+        would copy a new index to the GPU every step, and that copy waits for the GPU."""
+        first, count = self.positions[0], len(self.positions)
+        if self.positions == tuple(range(first, first + count)):
+            return values[first:first + count]
+        index = self.indices.get(values.device)
+        if index is None:
+            index = self.indices[values.device] = torch.tensor(self.positions, device=values.device)
+        return values[index]
 
 
 class StepValues:
@@ -94,7 +108,7 @@ class StepValues:
             mine = [updates[k].mT if transposed else updates[k]
                     for k, transposed in zip(chunk.positions, chunk.transposed)]
             if norms is not None:
-                own = norms[list(chunk.positions)]
+                own = chunk.of_request(norms)
             else:  # in fp32 at least, as the statistics always are (a norm cannot narrow fp64)
                 wide = any(u.dtype == torch.float64 for u in mine)
                 own = torch.stack(torch._foreach_norm(mine, 2, dtype=None if wide else torch.float32))

@@ -158,10 +158,15 @@ class StepStats:
 
     @property
     def ns_seconds(self) -> float:
-        """Time this rank spent in Newton–Schulz calls."""
+        """Time this rank spent in Newton–Schulz calls (on CUDA it waits for their kernels: an
+        event's time is there only once it has completed)."""
         total = 0.0
         for span in self._ns_spans:
-            total += span if isinstance(span, float) else span[0].elapsed_time(span[1]) / 1e3
+            if isinstance(span, float):
+                total += span
+            else:
+                span[1].synchronize()
+                total += span[0].elapsed_time(span[1]) / 1e3
         return total
 
     def __repr__(self) -> str:

@@ -158,6 +158,7 @@ _T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31
 
 # --comm-dtype: dmuon.Muon's comm_dtype
 COMM_DTYPES = {"exact": None, "bf16": torch.bfloat16}
+PRECISIONS = ("bf16-autocast", "fp32")
 MAX_RANKS_PER_CORE = 4  # --device cpu spawns its ranks on this machine
 
 # The clock of the timed rounds; a test replaces it with a fake one.
@@ -395,7 +396,8 @@ class _Trainer:
         args = self.args
         batch = local_batch(self.data, step, args.batch_size * self.world, args.seq_len, self.rank, self.world,
                             self.device)
-        loss = training_loss(self.wrapped, batch)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-autocast"):
+            loss = training_loss(self.wrapped, batch)
         for opt in self.optimizers:
             opt.zero_grad()
         loss.backward()
@@ -901,6 +903,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=positive_int, default=None,
                         help="tokens per sequence, at most the preset's max_seq_len (default: 128; a vla preset's "
                              "samples have a length of their own: image patches, prompt and action tokens)")
+    parser.add_argument("--precision", choices=PRECISIONS, default=None,
+                        help="the forward and backward's: fp32 weights with bf16 autocast (how GPU jobs train: "
+                             "AdamW's share of a step is then realistic), or fp32 throughout, products without TF32 "
+                             "(default: bf16-autocast on cuda, fp32 on cpu)")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="learning rate (default: %(default)s)")
     parser.add_argument("--weight-decay", type=non_negative_float, default=0.1,
                         help="decoupled weight decay (default: %(default)s)")
@@ -934,6 +940,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     """What spans several arguments or needs a look at the machine, checked before any rank starts."""
     if args.configs is None:
         args.configs = list(CUDA_CONFIGS if args.device == "cuda" else CONFIGS)
+    if args.precision is None:
+        args.precision = "bf16-autocast" if args.device == "cuda" else "fp32"
     if args.preset == "auto":
         args.preset = "bench" if native_bf16(args.device) else "demo"
         if args.preset == "demo":
@@ -1005,9 +1013,9 @@ def model_summary(args: argparse.Namespace) -> str:
         return (f"{args.preset} preset, {size} parameters ({trained / 1e6:.1f}M trained, the vision tower "
                 f"{'frozen' if config.freeze_vision else 'trained'}), {args.world_size} ranks x {args.batch_size} "
                 f"samples x {args.seq_len} tokens ({config.vision.n_patches} image patches, {config.text_tokens} "
-                f"prompt, {config.action_steps} action) = {tokens:,} tokens per step")
+                f"prompt, {config.action_steps} action) = {tokens:,} tokens per step, {args.precision}")
     return (f"{args.preset} preset, {size} parameters, {args.world_size} ranks x {args.batch_size} "
-            f"sequences x {args.seq_len} tokens = {tokens:,} tokens per step")
+            f"sequences x {args.seq_len} tokens = {tokens:,} tokens per step, {args.precision}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -133,7 +133,8 @@ def test_training_traffic_by_the_ring_costs():
 
 def test_the_default_configurations_depend_on_the_device(monkeypatch):
     """On CPU the verdict's six (more could not settle in four minutes on two cores); on CUDA also
-    early start off (on by default there) and owner sharding; --configs always wins."""
+    early start off (on by default there) and owner sharding; --configs always wins. The precision
+    too: fp32 on CPU, bf16 autocast on CUDA."""
     import argparse
 
     import torch
@@ -149,8 +150,12 @@ def test_the_default_configurations_depend_on_the_device(monkeypatch):
 
     assert parsed().configs == list(bench.CONFIGS) == ["ddp-adamw", "ddp-torch-muon", "fsdp-adamw",
                                                        "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon"]
+    assert parsed().precision == "fp32"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert parsed("--device", "cuda").configs == [*bench.CONFIGS, "ddp-dmuon-atstep", "fsdp-dmuon-atstep",
                                                               "ownerz2-dmuon", "ownerz2-dmuon-atstep"]
+    # on GPUs the model trains as GPU jobs do, in bf16 autocast, unless asked otherwise
+    assert parsed("--device", "cuda").precision == "bf16-autocast"
+    assert parsed("--device", "cuda", "--precision", "fp32").precision == "fp32"
     assert parsed("--device", "cuda", "--configs", "fsdp-adamw,fsdp-dmuon-early").configs == [
         "fsdp-adamw", "fsdp-dmuon-early"]

@@ -341,7 +341,7 @@ def test_the_verdict_states_the_model_and_the_tokens_per_step():
     bench.check_arguments(args)
     assert args.batch_size == 4  # 2 ranks x 4 sequences x 256 tokens
     assert bench.model_summary(args) == ("bench preset, 27.3M parameters, 2 ranks x 4 sequences x 256 tokens = "
-                                         "2,048 tokens per step")
+                                         "2,048 tokens per step, fp32")
     with pytest.raises(Exception, match="--tokens-per-step"):
         bench.check_arguments(parser.parse_args(["--preset", "bench", "--tokens-per-step", "1000"]))
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import dmuon
 
-# Compiled vs eager after STEPS steps, max |Δparam| / max |param| (README "torch.compile"):
+# Compiled vs eager after STEPS steps, max |Δparam| / max |param| (docs/options.md, "torch.compile"):
 # the compiled update is W·(1 − lr·wd) − (lr·r)·O with tensor hyperparameters, and inductor
 # fuses the Newton–Schulz epilogues, so roundings differ from eager's. Measured on this
 # project's CPU: 7.8e-7 (fp32 NS), 9.7e-8 (bf16 NS).

@@ -7,13 +7,17 @@ from __future__ import annotations
 import copy
 import math
 import re
+import traceback
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dmuon
+from dmuon.elementwise import scalar
 from tests.unit.nets import loss_of, make_net, set_random_grads, snapshot
 
 
@@ -188,6 +192,53 @@ def test_a_step_reads_the_device_once(monkeypatch):
         opt.step()
         monkeypatch.undo()
         assert reads == ["item"] + ["__bool__"] * len(opt.last_step_stats.ns_calls)
+
+
+class HostTraffic(TorchDispatchMode):
+    """Where (the innermost dmuon function) a tensor's value is read on the host
+    (``aten._local_scalar_dense``: ``item``, ``bool``, …) or Python data becomes a tensor
+    (``aten.lift_fresh``: on a GPU a copy from pageable memory, which waits for the GPU)."""
+
+    OPS = {torch.ops.aten._local_scalar_dense.default: "read", torch.ops.aten.lift_fresh.default: "from host"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[tuple[str, str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.OPS:
+            frame = next(f for f in reversed(traceback.extract_stack()) if f"{Path('dmuon')}/" in f.filename
+                         and "/tests/" not in f.filename)
+            self.sites.append((self.OPS[func], Path(frame.filename).name, frame.name))
+        return func(*args, **(kwargs or {}))
+
+
+# What a step does on the host, and why each is no wait on a GPU: the agreement's header is built
+# on the host and copied from pinned memory without waiting; the one read of the agreed flags;
+# AdamW's step counters, host tensors as in torch.optim; on CPU only (free there), the
+# weight-decay factor as a float64 tensor and each Newton–Schulz call's check for the
+# overflow-safe normalization.
+STEP_HOST_SITES = {("from host", "agreement.py", "agree"), ("read", "agreement.py", "agree_on_step"),
+                   ("from host", "elementwise.py", "adamw_step"), ("read", "elementwise.py", "adamw_step"),
+                   ("from host", "elementwise.py", "_decay_factor"), ("read", "orthogonalization.py", "normalize")}
+
+
+def test_a_step_moves_nothing_else_between_host_and_device():
+    """Counted by op under a dispatch mode, by the site that issues it: nothing new may appear
+    (an index built from a Python list per chunk, a hyperparameter copied from the host per call
+    both waited for the GPU once each step)."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.ReLU(), nn.Linear(8, 40))
+    opt = dmuon.Muon(model, lr=0.01)
+    for _ in range(2):  # the second step runs with state and its plan, as in training
+        model(torch.randn(4, 16)).square().mean().backward()
+        with HostTraffic() as traffic:
+            opt.step()
+        opt.zero_grad()
+    assert set(traffic.sites) <= STEP_HOST_SITES, set(traffic.sites) - STEP_HOST_SITES
+    assert sum(site[0] == "read" and site[1] == "agreement.py" for site in traffic.sites) == 1
+    with HostTraffic() as traffic:  # the compiled kernels' hyperparameters: filled in on the device
+        scalar(0.5, torch.device("cpu"))
+    assert traffic.sites == []
 
 
 def test_last_step_stats_print_as_one_readable_line():

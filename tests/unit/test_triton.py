@@ -35,6 +35,14 @@ def interpreter_checks() -> None:
         got = symmetric_baddbmm(RZ, W, RZ, beta=2.0)
         torch.testing.assert_close(got, torch.baddbmm(RZ, W, RZ, beta=2.0), rtol=1e-5, atol=1e-4)
         assert torch.equal(got, got.mT)  # mirrored: exactly symmetric
+    X = torch.randn(2, 70, 50, dtype=torch.float64)  # fp64 accumulates in fp64
+    torch.testing.assert_close(symmetric_gram(X), torch.bmm(X, X.mT), rtol=1e-12, atol=1e-12)
+    # fp16 into an fp32 accumulator, rounded once; bf16 is left to the GPU check and the sm_90
+    # compile below: the interpreter multiplies bf16's bit patterns (it has no bf16 tl.dot)
+    for dtype in (torch.float16,):
+        X = torch.randn(2, 70, 50).to(dtype)
+        exact = torch.bmm(X.float(), X.float().mT).to(dtype)
+        torch.testing.assert_close(symmetric_gram(X), exact, rtol=1e-2, atol=1e-2)
     from dmuon.tools.throughput import symmetric_products_timing  # the GPU check's table, runnable here
 
     [row] = symmetric_products_timing(torch.device("cpu"), sides=(16,), aspect=2, repeats=1)
@@ -85,6 +93,7 @@ def test_triton_on_cpu_without_the_interpreter_is_refused_early():
 
 
 def auto_on_ranks() -> dict:
+    torch.manual_seed(0)  # replicas of one layer with one gradient, as dmuon checks a step's plain tensors are
     layer = nn.Linear(16, 8, bias=False)
     opt = dmuon.Muon(layer, symmetric_products="auto")  # the ranks exchange their (empty) timings
     layer(torch.randn(4, 16)).square().mean().backward()
@@ -98,3 +107,38 @@ def test_auto_agrees_across_ranks_without_triton():
     from tests.harness import run_on_ranks
 
     assert run_on_ranks(2, auto_on_ranks) == [{}, {}]
+
+
+def compile_for_sm90(dtype: str, has_c: bool):
+    """The kernel compiled ahead of time for an H100 (sm_90) with Triton's bundled ptxas: no GPU
+    needed, so compile errors show on CPU."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dmuon.triton_kernels import BLOCK_K, BLOCK_M, _lower_product_kernel, kernel_options
+
+    kernel = _lower_product_kernel()
+    torch_dtype = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    constants = {"HAS_C": has_c, "BLOCK_M": BLOCK_M, "BLOCK_K": BLOCK_K, **kernel_options(torch_dtype)}
+    signature = {name: f"*{dtype}" for name in ("a_ptr", "b_ptr", "c_ptr", "out_ptr")}
+    signature.update({"M": "i32", "K": "i32", "beta": "fp32", "alpha": "fp32"})
+    signature.update({name: "i64" for name in kernel.arg_names if name.startswith("stride")})
+    signature.update({name: "constexpr" for name in constants})
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
+    assert isinstance(constants["ACC"], tl.dtype)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "fp32", "bf16", "fp16"])
+def test_the_kernel_compiles_for_an_h100_in_every_dtype(dtype):
+    """fp64 did not compile (an fp32 accumulator took fp64 products), and fp32 ran its products
+    in TF32: now every dtype compiles to a cubin, and fp32's PTX has no TF32 instruction."""
+    pytest.importorskip("triton", reason="triton is not installed; pip install triton")
+    for has_c in (False, True):
+        compiled = compile_for_sm90(dtype, has_c)
+        assert compiled.asm["cubin"]
+        if dtype == "fp32":
+            assert "tf32" not in compiled.asm["ptx"]
