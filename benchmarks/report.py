@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -102,7 +103,8 @@ def ratio(value: float | None, halfwidth: float | None = None) -> str:
 
 
 def provenance(record: dict) -> str:
-    commands = "\n".join(run["command"] for run in record["runs"])
+    # the interpreter as a reader types it, not this machine's path to it
+    commands = "\n".join(re.sub(r"^\S*/python3?(?= )", "python", run["command"]) for run in record["runs"])
     return (f"```bash\n{commands}\n```\n\n{record['machine']}; torch {record['torch']}; "
             f"commit {record['commit']}.\n")
 

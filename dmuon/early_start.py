@@ -82,7 +82,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dmuon.exchange import all_reduce_max
+from dmuon.exchange import all_reduce_max, start_all_reduce_sum
 from dmuon.layout import owned_by
 from dmuon.step_plan import StepPlan
 from dmuon.step_values import StepValues
@@ -502,7 +502,7 @@ def reduce_ddp_bucket(state, bucket):  # noqa: ANN001, ANN201
     every rank, so the collectives the early run issues from here come in the same order too."""
     buffer = bucket.buffer()
     buffer.mul_(1.0 / state.process_group.size())
-    done = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
+    done = start_all_reduce_sum(buffer, state.process_group).get_future()
     early = state.early() if state.early is not None else None
     if early is not None:
         early._reduced((bucket.parameters(), bucket.gradients(), done))

@@ -192,7 +192,8 @@ def all_reduce_sum(values: Tensor, group: dist.ProcessGroup | None, counter: Com
 
 
 def start_all_reduce_sum(values: Tensor, group: dist.ProcessGroup, counter: CommCounter | None = None) -> dist.Work:
-    """:func:`all_reduce_sum`, asynchronously (replicated gradients under owner sharding)."""
+    """:func:`all_reduce_sum`, asynchronously (replicated gradients under owner sharding, DDP's
+    buckets in dmuon's comm hook)."""
     _count(counter, values.numel() * values.element_size())
     return dist.all_reduce(values, group=group, async_op=True)
 

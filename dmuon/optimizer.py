@@ -119,6 +119,52 @@ class Muon(torch.optim.Optimizer):
     To match ``torch.optim.Muon``: ``ns_coefficients="keller"``, ``ns_method="standard"``,
     ``ns_dtype=torch.bfloat16``, ``adjust_lr_fn="original"``, ``weight_decay=0.1`` (momentum
     bitwise; updates within about 2 %, as torch normalizes in bf16).
+
+    Args:
+        params: an ``nn.Module`` (recommended: routing sees module types and names), its
+            ``named_parameters()``, tensors, or param-group dicts.
+        lr: learning rate (float or 0-D tensor), Muon's and, without ``adamw_lr``, AdamW's.
+        weight_decay: decoupled weight decay, Muon's and, without ``adamw_weight_decay``, AdamW's.
+        momentum: μ, in [0, 1).
+        nesterov: Newton–Schulz input ``G + μ·(B − G)`` instead of B.
+        ns_coefficients: "polar_express", "keller", "you", one (a, b, c), or a sequence of triples.
+        eps: added to ‖M‖_F before normalizing (> 0).
+        ns_steps: Newton–Schulz steps, 1–99.
+        adjust_lr_fn: the per-matrix lr factor: "match_rms_adamw" (0.2·√max(m, n)), "original"
+            or None (√max(1, m/n)), "spectral_unclamped" (√(m/n)).
+        use_addmm: ``torch.optim.Muon``'s switch, accepted (a bool) and inert.
+        ns_method: "standard", "gram", or "auto" (Gram from aspect ratio 2 where the dtype allows).
+        ns_dtype: Newton–Schulz's compute dtype; None fits the processor (fp16 on CUDA; bf16 for
+            standard NS on CPUs with native bf16, else fp32).
+        ns_restarts: Gram NS restart steps (None: placed for the schedule).
+        ns_blocks: fused weights' row blocks, orthogonalized apart: an int k or row counts.
+        adamw_betas: AdamW's betas.
+        adamw_eps: AdamW's eps.
+        adamw_lr: AdamW's lr where it differs from ``lr``; it then follows ``lr``'s schedule.
+        adamw_weight_decay: AdamW's weight decay where it differs from ``weight_decay``.
+        nonfinite_grads: "skip", "raise" or "ignore" (above).
+        process_group: the ranks holding copies of the plain (replicated) tensors, and the ranks
+            the optimizer agrees over (default: a DDP model's group, else WORLD for plain tensors,
+            else the group of the DTensors' meshes).
+        comm_dtype: dtype on the wire (None: exact); ``torch.bfloat16`` both ways.
+        bucket_bytes: Newton–Schulz input per owner per bucket (bounds transient memory).
+        replica_split: HSDP: replicas split the work (True), work alone (False), or None (cost model).
+        distributed_ns: 1-D sharded matrices on the ranks' column blocks (True), gathered to an
+            owner (False), or None (cost model; it may also split matrices over gangs of ranks).
+        symmetric_products: "torch", "triton" (CUDA or Triton's interpreter), or "auto" (timed
+            per shape at construction, agreed across ranks).
+        compile: True (inductor), a backend name or callable: compile Newton–Schulz and the
+            element-wise updates.
+        cuda_graphs: replay each distinct Newton–Schulz call on CUDA from a captured graph.
+        early_start: begin Newton–Schulz in the backward pass (True: raise where it cannot; False:
+            off; None: where the layout allows and the device pays, CUDA).
+
+    Raises:
+        ValueError: an invalid option, named with its group (``Invalid momentum=1.0 in param
+            group 0. Must be >= 0.0 and < 1.0.``), an unknown group key with the nearest one, a
+            layout no strategy takes, or ranks that disagree (the same error on every rank).
+        TypeError: an unknown keyword argument, named with dmuon's nearest option; a
+            ``process_group`` that is not a ``ProcessGroup``.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Muon:

@@ -65,6 +65,18 @@ class AttentionLayer:
     ``q_offset + h·head_dim``; likewise the key heads in ``k_weight``. ``out_dim`` is the weight
     dimension that indexes output features: 0 for ``nn.Linear``, 1 for GPT-2's ``Conv1D``. A
     fused QKV weight is both ``q_weight`` and ``k_weight``, with the key block's offset.
+
+    Args:
+        q_weight: the weight holding the query heads (a parameter of the optimizer).
+        k_weight: the weight holding the key heads (the same tensor for a fused QKV).
+        num_heads: query heads.
+        head_dim: features per head.
+        num_kv_heads: key heads (grouped-query attention; default ``num_heads``).
+        q_offset: the first query feature in ``q_weight``'s output dimension.
+        k_offset: the first key feature in ``k_weight``'s output dimension.
+        out_dim: the weight dimension that indexes output features (0 or 1).
+        q_bias: the query bias, scaled with its heads, if any.
+        k_bias: the key bias, if any.
     """
 
     q_weight: Tensor
@@ -185,7 +197,14 @@ def max_logits(q: Tensor, k: Tensor, scale: float | None = None, *, causal: bool
     dividing heads (grouped-query attention, consecutive query heads sharing a key head).
     ``scale``: default head_dim^-½. ``attention_mask``: broadcastable to (batch, heads, queries,
     keys), bool (True: attend) or additive float; without it, ``causal`` masks key j > query i.
-    Costs one q·kᵀ product, in chunks of at most ``SCORES_PER_CHUNK`` scores."""
+    Costs one q·kᵀ product, in chunks of at most ``SCORES_PER_CHUNK`` scores.
+
+    Args:
+        q: queries, (batch, heads, queries, head_dim).
+        k: keys, (batch, kv_heads, keys, head_dim).
+        scale: the logits' scale (default head_dim^-½).
+        causal: mask key j > query i when no ``attention_mask`` is given.
+        attention_mask: bool (True: attend) or additive float, broadcastable to the scores."""
     batch, heads, queries, head_dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     if heads % kv_heads:

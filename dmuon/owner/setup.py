@@ -142,21 +142,33 @@ def shard_by_owner(
 ) -> OwnerSharding:
     """Store each Muon weight matrix of ``model`` whole on one owner rank (:mod:`dmuon.owner`).
 
-    ``mesh_or_group``: a process group or 1-D DeviceMesh (default: the world), or a 2-D
-    (replicate, shard) mesh for HSDP: each replica holds every matrix once among its shard ranks;
-    gradients are reduced within the replica, then to replica 0's holder, which alone steps; the
-    updated weight goes back to the other replicas' holders at the start of the next forward.
-    ``reshard_after_forward``: False keeps broadcast weights until backward ("Z2"); True frees
-    them after forward and broadcasts again in backward ("Z3").
-    ``layers``: modules whose owner-sharded parameters move together (one broadcast per owner per
-    layer, e.g. the transformer blocks); by default each module holding such parameters.
-    ``params``: the parameters to owner-shard; by default those :class:`dmuon.Muon` routes to Muon.
-    ``replicate_rest``: keep every other parameter replicated (gradients all-reduced here, like
-    DDP); pass False when FSDP2/DDP handles them (``fully_shard(..., ignored_params=sharding.params)``).
-
     Call it after moving the model to its device (non-owners' tensors have no storage to move
     afterwards), before ``fully_shard`` and before creating the optimizer; every rank must call it
     with the same model.
+
+    Args:
+        model: the model, on its device.
+        mesh_or_group: a process group or 1-D DeviceMesh (default: the world), or a 2-D
+            (replicate, shard) mesh for HSDP: each replica holds every matrix once among its shard
+            ranks; gradients are reduced within the replica, then to replica 0's holder, which
+            alone steps; the updated weight goes back to the other replicas' holders at the start
+            of the next forward.
+        reshard_after_forward: False keeps broadcast weights until backward ("Z2"); True frees
+            them after forward and broadcasts again in backward ("Z3").
+        layers: modules whose owner-sharded parameters move together (one broadcast per owner per
+            layer, e.g. the transformer blocks); by default each module holding such parameters.
+        params: the parameters to owner-shard; by default those :class:`dmuon.Muon` routes to Muon.
+        replicate_rest: keep every other parameter replicated (gradients all-reduced here, like
+            DDP); pass False when FSDP2/DDP handles them
+            (``fully_shard(..., ignored_params=sharding.params)``).
+        sync_module_states: rank 0's initial values everywhere first, as DDP does.
+
+    Returns:
+        The :class:`OwnerSharding`, whose ``params`` FSDP2 or DDP should leave alone.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: a frozen or unsupported parameter, or ranks that disagree (on every rank).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard_by_owner takes an nn.Module, not a {type(model).__name__}.")

@@ -45,7 +45,18 @@ class OwnerSharding:
     :func:`dmuon.shard_by_owner`. Attributes: ``params`` (the owner-sharded parameters),
     ``owners`` (name → the global rank that steps it), ``last_step_bytes`` (bytes this rank sent
     for them in the last forward+backward: broadcasts counted at the source once per receiver,
-    reduces at each sender), ``rest_bytes`` (the same for the replicated rest)."""
+    reduces at each sender), ``rest_bytes`` (the same for the replicated rest).
+
+    Args:
+        model: the model whose parameters it shards.
+        named_params: the owner-sharded parameters, with their names.
+        layers: (name, module, its owner-sharded parameters) of each layer moved together.
+        holders: per parameter, the global rank of this replica that holds it.
+        owners: per parameter, the global rank that steps it (replica 0's holder).
+        groups: the process groups of the shard and replica dimensions.
+        reshard_after_forward: "Z3" (True) or "Z2" (False).
+        rest: the parameters kept replicated here, or None when FSDP2/DDP handles them.
+    """
 
     def __init__(
         self,

@@ -81,3 +81,19 @@ def test_newton_schulz_seconds_wait_for_the_end_event():
     stats = StepStats()
     stats._ns_spans = [0.5, (FakeEvent(1.0), FakeEvent(4.0)), (FakeEvent(10.0), FakeEvent(12.0))]
     assert stats.ns_seconds == pytest.approx(0.5 + 0.003 + 0.002)
+
+
+@pytest.mark.parametrize("method,dtype", [("standard", torch.float16), ("standard", torch.bfloat16),
+                                          ("gram", torch.float16), ("standard", torch.float32),
+                                          ("gram", torch.float32)])
+@pytest.mark.parametrize("shape", [(3, 64, 192), (1, 300, 100), (2, 1, 50)])
+def test_newton_schulz_runs_its_cuda_branches_on_the_meta_device(method, dtype, shape):
+    """The meta device takes every branch a CUDA tensor takes (no CPU padding, no data-dependent
+    normalization, no chunking by CPU cache) and has no values: a host read there raises, so
+    this runs the CUDA path's Python without a GPU and shows it reads nothing."""
+    from dmuon.orthogonalization import orthogonalize, resolve_config
+
+    G = torch.empty(shape, device="meta")
+    config = resolve_config(shape[-2:], "cuda", method=method, dtype=dtype)
+    out = orthogonalize(G, config)
+    assert out.shape == G.shape and out.device.type == "meta"

@@ -106,3 +106,13 @@ def test_every_import_follows_the_documented_layers():
               for module, path in modules.items() for imported in sorted(dmuon_imports(path))
               if imported in layers and layers[imported] > layers[module]]
     assert not broken, broken
+
+
+def test_every_public_name_documents_its_arguments():
+    """What ``dmuon`` exports says what each argument is, as torch's optimizers do (``Args:``)."""
+    import inspect
+
+    import dmuon
+
+    undocumented = [name for name in dmuon.__all__ if "Args:" not in (inspect.getdoc(getattr(dmuon, name)) or "")]
+    assert undocumented == []
