@@ -32,8 +32,8 @@ import torch.multiprocessing as mp
 
 # (module, attribute, phase): the functions timed; each returns to dmuon's code, none calls another
 TIMED = [
-    ("dmuon.optimizer", "agree_on_step", "agree on the step"),
-    ("dmuon.optimizer", "update_momentum_of", "momentum"),
+    ("dmuon.step.stepper", "agree_on_step", "agree on the step"),
+    ("dmuon.step.stepper", "update_momentum_of", "momentum"),
     ("dmuon.elementwise", "adamw_step", "AdamW"),
     ("dmuon.step_values", "StepValues.inputs", "Nesterov inputs"),
     ("dmuon.strategies.planned", "start_all_to_all", "pack + start all-to-all"),

@@ -6,26 +6,15 @@ import contextlib
 import inspect
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from functools import partial
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from dmuon import param_groups
-from dmuon.agreement import Fingerprint, agree_on_step, agreed_call, digest_words, issued_number, record_number
-from dmuon.early_start import (
-    CHANGED,
-    USED,
-    DDPReduction,
-    EarlyStart,
-    unsupported_because,
-    wanted,
-)
-from dmuon.elementwise import adamw_steps, update_momentum_of
+from dmuon.agreement import Fingerprint, agreed_call, issued_number, record_number
 from dmuon.engine import StepStats
 from dmuon.exchange import GroupRef, collective_device
 from dmuon.hyperparameters import (
@@ -35,13 +24,11 @@ from dmuon.hyperparameters import (
     unexpected_option_message,
     validate_defaults,
 )
-from dmuon.layout import agreement_group, owned_by, owner_shardings, ranks_holding
+from dmuon.layout import agreement_group, ranks_holding
 from dmuon.orthogonalization import NORMALIZATION_EPS, default_dtype_reason
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
 from dmuon.routing import Route, module_roles
-from dmuon.statistics import step_statistics
-from dmuon.step_plan import StepPlan, build_engine, steps_here
-from dmuon.step_values import StepValues
+from dmuon.step import StepCompanion, Stepper
 
 
 def replica_group(params: Any, process_group: Any) -> dist.ProcessGroup | None:
@@ -68,18 +55,6 @@ def replica_group(params: Any, process_group: Any) -> dist.ProcessGroup | None:
                          f"passed as params reduces over ranks {theirs}. Leave process_group out (dmuon takes the "
                          "DDP model's) or pass the DDP model's process group.")
     return process_group
-
-
-class StepCompanion(Protocol):
-    """What follows an optimizer's steps (a :class:`dmuon.QKClip`): its figures join
-    :meth:`Muon.statistics`, its fingerprint the step's agreement (so that the ranks compare it
-    before anything moves), and ``zero_grad()`` tells it that the gradients are gone."""
-
-    def statistics(self) -> dict[str, float]: ...
-
-    def step_fingerprint(self) -> list[tuple[str, str]]: ...
-
-    def discard(self) -> None: ...
 
 
 class Muon(torch.optim.Optimizer):
@@ -236,16 +211,15 @@ class Muon(torch.optim.Optimizer):
         job = self._agreement_group()
         fingerprint, agreed = agreed_call("construction", build, job, self._collective_device,
                                           number=issued_number(job) if job is not None else 0)
-        self._number = agreed.number + 1 if agreed is not None else 0
+        self._stepper.number = agreed.number + 1 if agreed is not None else 0
         if job is not None:
-            record_number(job, self._number)
+            record_number(job, self._stepper.number)
         # from here on add_param_group is collective; the step's agreement carries this digest
         self._agreed(fingerprint)
-        self._steps_taken = 0
         if symmetric_products == "auto":  # a collective: after the ranks agree on the options
             from dmuon.timing import choose_symmetric_products  # imported only when measuring
 
-            self._symmetric_by_shape.update(choose_symmetric_products(
+            self._stepper.symmetric_by_shape.update(choose_symmetric_products(
                 param_groups.muon_params(self.param_groups), self._collective_device(), self._agreement_group()))
 
     def _build(self, params: nn.Module | Iterable[Any], defaults: dict[str, Any], options: EngineOptions) -> None:
@@ -253,39 +227,19 @@ class Muon(torch.optim.Optimizer):
         validate_defaults(defaults, options)
         param_groups.check_params_type(params)
         self._module_roles: dict[int, str] = {}
-        self._model: Callable[[], nn.Module | None] = lambda: None
+        self._stepper = Stepper(options, self._process_group, self._job)
         if isinstance(params, nn.Module):
             self._module_roles = module_roles(params)
-            self._model = weakref.ref(params)  # add_param_group looks up the names of new parameters
+            self._stepper.model = weakref.ref(params)  # add_param_group looks up the names of new parameters
             params = list(params.named_parameters())
-        self.skipped_steps = 0
-        self._number: int | None = None  # agreed after this
-        self._update_squares: dict[int, list] = {}  # id(param group) -> [sum of squares, elements], last step
-        self._companions: list[StepCompanion] = []  # what follows the steps (a QKClip)
-        self._options = options
-        self._early = EarlyStart(options.early_start)
-        self._symmetric_by_shape: dict[tuple[int, int], str] = {}  # "auto": measured at construction
-        self._make_engine()
         super().__init__(params, defaults)
         self._module_roles = {}  # used for routing at construction only; params may be swapped later
         param_groups.check_not_a_whole_model_by_shape(self.param_groups)
         blind = param_groups.shape_routing_warning(self.param_groups)
         if blind:
             warnings.warn(blind, stacklevel=5)  # _build <- build <- agreed_call <- __init__ <- the caller
-        self._order_buckets()
-        here = self._stepped_here()
-        # every layout detected and planned now: an unsupported one raises before any collective
-        self._planner.exchange_plans(self._planner.works(here))
-        if options.early_start and here:  # early_start=True where the layouts cannot run it: raised now, on every rank
-            self._early.check(self._planner.build(None, here, self._collective_device()),
-                              self._compiled, ddp_may_follow=True)  # register_ddp_comm_hook comes after
-
-    def _make_engine(self) -> None:
-        """The compiled kernels, the engine and its planner, from the options (again after a
-        deep copy or unpickling)."""
-        self._kernels, self._engine, self._planner = build_engine(self._options, self._process_group(),
-                                                                  self._symmetric_by_shape)
-        self._plan: StepPlan | None = None
+        self._stepper.order_buckets(self.param_groups)
+        self._stepper.check_layouts(self.param_groups)
 
     # ------------------------------------------------------------------ groups
 
@@ -299,9 +253,9 @@ class Muon(torch.optim.Optimizer):
 
         def build() -> dict[str, Any]:
             return param_groups.build_group(param_group, self.defaults, len(self.param_groups), self._module_roles,
-                                            param_groups.names_in(self._model()) if named else None)
+                                            param_groups.names_in(self._stepper.model()) if named else None)
 
-        if not hasattr(self, "_structure_words"):  # from torch.optim.Optimizer.__init__: agreed after
+        if self._stepper.structure_words is None:  # from torch.optim.Optimizer.__init__: agreed after
             self._add_stored(build())
             return
         before = len(self.param_groups)
@@ -365,33 +319,22 @@ class Muon(torch.optim.Optimizer):
         return param_groups.label_of(self.param_groups, group)
 
     def _fingerprint(self, groups: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
-        return [*param_groups.fingerprint(groups, self._options.describe(), self.defaults["nonfinite_grads"],
+        return [*param_groups.fingerprint(groups, self._stepper.options.describe(), self.defaults["nonfinite_grads"],
                                           across_ranks=self._agreement_group() is not None),
-                ("the optimizer's number", repr(self._number)),
+                ("the optimizer's number", repr(self._stepper.number)),
                 # a processor-fit default: ranks on processors of different kinds must not mix dtypes
                 ("what ns_dtype=None resolves to", repr(self._default_dtype_reasons()))]
 
     def _agreed(self, fingerprint: Fingerprint) -> None:
         """After an entry point the ranks agreed on: what later steps compare."""
-        self._structure_words = digest_words(fingerprint)
-        self._checked_settings = param_groups.settings(self.param_groups)
-        self._plan = None
-        self._order_buckets()  # the parameters may have changed: early start may run again
+        self._stepper.agreed(self.param_groups, fingerprint)
 
     # ------------------------------------------------------------------ the plan
 
     @property
     def plans(self) -> list[Plan]:
         """The plan of each exchange group (usually one): owners, buckets, bytes; see Plan.table()."""
-        # a frozen parameter (requires_grad=False, no gradient) is in no step: nor in its plan
-        here = [m for m in self._stepped_here() if m.param.requires_grad or m.param.grad is not None]
-        if self._planner.ready_order and self._early.setting is None and here:
-            self._step_plan(here)  # the bucket order the next step will use
-        return self._planner.exchange_plans(self._planner.works(here))
-
-    def _stepped_here(self) -> list[param_groups.MuonParam]:
-        """The Muon parameters this rank steps (all, unless owner-sharded to other ranks)."""
-        return [m for m in param_groups.muon_params(self.param_groups) if steps_here(m.param)]
+        return self._stepper.plans(self.param_groups)
 
     @property
     def plan(self) -> Plan:
@@ -405,7 +348,7 @@ class Muon(torch.optim.Optimizer):
     def last_step_stats(self) -> StepStats:
         """This rank's matrices orthogonalized, NS FLOPs and seconds, bytes sent and collectives,
         last step."""
-        return self._engine.stats
+        return self._stepper.stats
 
     def statistics(self, all_ranks: bool = False) -> dict[str, float]:
         """The last step in numbers, for logging (flat keys, float values):
@@ -421,12 +364,7 @@ class Muon(torch.optim.Optimizer):
         the job's: update RMS over whole matrices, sums of the counts, the slowest rank's
         ``ns_seconds``.
         """
-        figures = step_statistics(self._engine.stats, self._update_squares, self.param_groups, self._group_label,
-                                  self.skipped_steps, self._agreement_group() if all_ranks else None,
-                                  self._collective_device())
-        for companion in self._companions:
-            figures.update(companion.statistics())
-        return figures
+        return self._stepper.statistics(self.param_groups, self._group_label, all_ranks)
 
     # ------------------------------------------------------------------ state
 
@@ -464,38 +402,15 @@ class Muon(torch.optim.Optimizer):
         self._agreed(fingerprint)
 
     def __getstate__(self) -> dict[str, Any]:
-        """All of the optimizer but its engine, planner, plan and compiled kernels, which are
-        rebuilt from the options (a deep copy or an unpickled optimizer can step), and, as
-        torch.optim drops them, its step hooks (a :class:`dmuon.QKClip` stays with the original)."""
-        left_out = ("_engine", "_kernels", "_model", "_planner", "_plan", "_companions",
-                    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+        """All of the optimizer but, as torch.optim drops them, its step hooks; the stepper
+        rebuilds its engine from the options (a deep copy or an unpickled optimizer can step), and
+        a :class:`dmuon.QKClip` stays with the original."""
+        left_out = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
         return {k: v for k, v in self.__dict__.items() if k not in left_out}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._model = lambda: None
-        self._companions = []
-        self._make_engine()
-        self._order_buckets()
-
-    def _order_buckets(self) -> None:
-        """Where early start may run, the plan's buckets follow the backward pass (the model's
-        order reversed); elsewhere the cost order (:meth:`_step_plan`)."""
-        self._planner.ready_order = wanted(self._options.early_start, self._collective_device().type)
-
-    def _step_plan(self, entries: Sequence[param_groups.MuonParam]) -> StepPlan:
-        """The plan kept, unless what it depends on changed. Early start's (buckets in the backward
-        order, every matrix whole) only where early start can run it: where it cannot (a layout it
-        does not support, DDP without :meth:`register_ddp_comm_hook`) and ``early_start=None``, the
-        step is better served by the cost order, which may also split matrices."""
-        device = self._collective_device()
-        plan = self._planner.step_plan(self._plan, entries, device)
-        ddp = self._early.ddp or self._early.registered_ddp  # (registered here: to be agreed at the step)
-        if (self._planner.ready_order and self._early.setting is None
-                and unsupported_because(plan, self._compiled, ddp) is not None):
-            self._planner.ready_order = False
-            plan = self._planner.build(plan.key, entries, device)
-        return plan
+        self._stepper.order_buckets(self.param_groups)
 
     # ------------------------------------------------------------------ step
 
@@ -504,100 +419,21 @@ class Muon(torch.optim.Optimizer):
     @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimization step; ``closure`` re-evaluates the model and returns the loss.
-
-        Under ``torch.compile(opt.step)`` it runs eagerly: its collectives and agreed decisions
-        are not graph material. ``Muon(..., compile=True)`` compiles its tensor code."""
+        """One optimization step (collective under torch.distributed); ``closure`` re-evaluates
+        the model and returns the loss (:mod:`dmuon.step` runs the rest)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # what early start began in the backward pass, finished: on every rank, before the agreement
-        run = self._early.finish()
-        if run is None:
-            self._engine.start_step()
-        self._update_squares = {}
-        # a rank without a run has nothing of its own to redo: where ranks' plans differ (owner
-        # sharding, a rank that steps nothing) they exchange nothing; elsewhere none has a run
-        params, here, left_alone, early = agree_on_step(
-            self._prepare_step, self.defaults["nonfinite_grads"], self._agreement_group(), self._collective_device,
-            self._step_fingerprint, self._engine.counter, lambda: param_groups.all_names(self.param_groups),
-            lambda: run.code(self.state) if run is not None else USED)
-        self._steps_taken += 1
-        if self._early.registered_ddp is not None:
-            self._use_registered_ddp_hook()
-        if early == CHANGED:
-            self._early.turn_off("the gradients changed between the backward pass and step() (a second backward "
-                                 "pass for gradient accumulation, or clipping or unscaling them), so its work was "
-                                 "redone; accumulate with all but the last micro-batch inside optimizer.accumulating() "
-                                 "instead (or DDP's or owner sharding's no_sync(), FSDP2's "
-                                 "set_requires_gradient_sync(False))")
-        if left_alone is None:
-            self.skipped_steps += 1
-            self._arm_early_start()
-            return loss
-        for sharding in owner_shardings(params)[1]:
-            sharding.weights_changed()
-        stepped = {id(p) for i, (p, mine) in enumerate(zip(params, here)) if mine and i not in left_alone}
-        muon = param_groups.muon_params(self.param_groups)
-        for m in muon:
-            if owned_by(m.param) is not None and not owned_by(m.param).is_mine:
-                # An empty entry on the ranks that do not own it: every rank's optimizer state
-                # then names every parameter, as torch.distributed.checkpoint requires to load.
-                self.state[m.param]
-        entries = [m for m in muon if id(m.param) in stepped]
-        self._init_state(entries, stepped)
-        adamw = partial(adamw_steps, self.param_groups, self.state, stepped)
-        if not entries:
-            adamw()
-            self._arm_early_start()
-            return loss
-        # the plan kept, unless what it depends on changed; AdamW runs while the exchange waits
-        plan = self._plan = self._step_plan(entries)
-        if self._early.setting:  # early_start=True where this plan cannot run it: raised before anything moves
-            self._early.check(plan, self._compiled)
-        pieces = update_momentum_of(entries, self.state, self._kernels)
-        values = StepValues(plan, pieces, self._kernels, self._update_squares, adamw)
-        if run is not None and early == USED and run.plan is plan:
-            for held in run.values.held:  # the updates the backward pass computed, on the same inputs
-                values.apply(*held)
-            values.overlap()
-        else:
-            if run is not None:
-                self._engine.start_step()  # the statistics count this step's run, not the unused one
-            self._engine.run(plan.strategies, values)
-        self._arm_early_start()
+        self._stepper.step(self.param_groups, self.state, self.defaults["nonfinite_grads"])
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; then what follows the steps (a :class:`dmuon.QKClip`) drops
         what it recorded for the gradients that are gone. Local: not collective."""
         super().zero_grad(set_to_none)
-        for companion in self._companions:
+        for companion in self._stepper.companions:
             companion.discard()
-
-    def _init_state(self, muon: Sequence[param_groups.MuonParam], stepped: set[int]) -> None:
-        """The state of each parameter this step updates, created at its first step (as torch's
-        ``_init_group`` does): Muon's momentum buffer, AdamW's step count and two moments, each
-        shaped and placed like the parameter (a DTensor's: its placement)."""
-        for m in muon:
-            if "momentum_buffer" not in self.state[m.param]:
-                self.state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
-        for group in self.param_groups:
-            for p, algorithm in zip(group["params"], group["algorithms"]):
-                if algorithm == "adamw" and id(p) in stepped and not self.state[p]:
-                    self.state[p].update(step=torch.zeros((), dtype=torch.float32),
-                                         exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                                         exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
-
-    @property
-    def _compiled(self) -> bool:
-        return bool(self._options.compile or self._options.cuda_graphs)
-
-    def _arm_early_start(self) -> None:
-        """Let the next backward pass start this step's plan (:mod:`dmuon.early_start`)."""
-        self._early.arm(self._plan, self.state, self._engine.context, self._engine.start_step, self._compiled,
-                        self._agreement_group())
 
     def register_ddp_comm_hook(self, model: nn.Module) -> None:
         """Let early start begin each bucket's Newton–Schulz once DDP's all-reduce of it is done.
@@ -618,85 +454,37 @@ class Muon(torch.optim.Optimizer):
             ValueError: it reduces over other ranks than the optimizer's, holds none of its Muon
                 parameters, or a hook was registered before on this optimizer.
         """
-        from torch.nn.parallel import DistributedDataParallel
+        self._stepper.register_ddp_comm_hook(self.param_groups, model)
 
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"register_ddp_comm_hook needs a DistributedDataParallel model, got "
-                            f"{type(model).__name__}.")
-        ours, theirs = self._agreement_group(), model.process_group
-        if ours is not None and dist.get_process_group_ranks(ours) != dist.get_process_group_ranks(theirs):
-            raise ValueError(f"The DDP model reduces over ranks {dist.get_process_group_ranks(theirs)}, this "
-                             f"optimizer works over ranks {dist.get_process_group_ranks(ours)}: build the optimizer "
-                             "from the DDP model (dmuon.Muon(ddp_model)) or pass its process_group.")
-        if self._early.ddp is not None or self._early.registered_ddp is not None:
-            raise ValueError("register_ddp_comm_hook was called before on this optimizer: it serves one DDP model.")
-        in_model = {id(p) for p in model.parameters()}
-        replicated = [m for m in param_groups.muon_params(self.param_groups) if owned_by(m.param) is None]
-        if replicated and not any(id(m.param) in in_model for m in replicated):
-            raise ValueError(f"register_ddp_comm_hook: the DDP model ({type(model.module).__name__}) holds none of "
-                             f"this optimizer's Muon parameters (such as {replicated[0].name!r}): pass the DDP model "
-                             "of the parameters the optimizer steps.")
-        self._early.registered_ddp = DDPReduction.of(model)  # DDP raises if the model has another comm hook
-        self._plan = None  # the next step's plan: early start's, where it can now run
-        self._order_buckets()
-
-    def _use_registered_ddp_hook(self) -> None:
-        """After a step's agreement, which compared whether each rank registered the DDP comm
-        hook: from now on the hook hands its buckets to early start (the early runs' collectives
-        then match on every rank)."""
-        reduction, self._early.registered_ddp = self._early.registered_ddp, None
-        reduction.hand_to(self._early)
-        self._early.ddp = reduction
-        self._plan = None  # early start's plan, where it can now run
-        self._order_buckets()
-
-    @contextlib.contextmanager
-    def accumulating(self) -> Iterator[None]:
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """Gradient accumulation with early start: the backward passes inside (every micro-batch
         but the last) begin nothing, as their gradients are not final; the last one's, outside,
         begins the step's work. DDP's and owner sharding's ``no_sync()`` and FSDP2's
         ``set_requires_gradient_sync(False)`` do this already for their layouts. Local: a rank
         may enter it alone; where early start exchanges anything, the ranks agree before a
         backward pass's first bucket whether any of them holds it back, and none starts it then."""
-        previous, self._early.paused = self._early.paused, True
-        try:
-            yield
-        finally:
-            self._early.paused = previous
+        return self._stepper.accumulating()
 
     @property
     def early_start(self) -> str:
         """Whether Newton–Schulz starts during the backward pass (:mod:`dmuon.early_start`), and
         if not, why: "on", or "off: <reason>"."""
-        return self._early.status
+        return self._stepper.early.status
 
-    def _prepare_step(self) -> tuple[list[Tensor], list[bool], list[bool]]:
-        """This rank's part of a step before the ranks agree: the parameters (those the model
-        replaced on leaving the meta device taken from it), whether this rank steps each and
-        whether each is a replica every rank holds whole (a plain-tensor Muon parameter), the
-        owner shardings' gradients, and the hyperparameters changed since they were last
-        checked, checked as the constructor checks them."""
-        param_groups.follow_meta_parameters(self.param_groups, self._model())
-        params = [p for group in self.param_groups for p in group["params"]]
-        replicas = [algorithm == "muon" and not isinstance(p, DTensor) and owned_by(p) is None
-                    for group in self.param_groups for p, algorithm in zip(group["params"], group["algorithms"])]
-        here, shardings = owner_shardings(params)  # here: this rank steps it
-        for sharding in shardings:
-            sharding.wait_for_gradients()
-        now = param_groups.settings(self.param_groups)
-        if now != self._checked_settings:
-            param_groups.validate_groups(self.param_groups)
-            self._checked_settings = now
-        return params, here, replicas
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (``nonfinite_grads="skip"``)."""
+        return self._stepper.skipped_steps
 
-    def _step_fingerprint(self) -> Fingerprint:
-        """What a step depends on, as the ranks compare it: the configuration they agreed on
-        last, which optimizer this is, the steps it has taken, and the hyperparameters now."""
-        hook = self._early.ddp is not None or self._early.registered_ddp is not None
-        return [("configuration digest", repr(self._structure_words)), ("the optimizer's number", repr(self._number)),
-                ("number of steps taken", repr(self._steps_taken)), *self._checked_settings,
-                ("register_ddp_comm_hook called", repr(hook)),
-                *(row for companion in self._companions for row in companion.step_fingerprint())]
+    @property
+    def _companions(self) -> list[StepCompanion]:
+        """What follows the steps (a :class:`dmuon.QKClip` adds itself)."""
+        return self._stepper.companions
+
+    @property
+    def _model(self) -> Callable[[], nn.Module | None]:
+        """The model the optimizer was built from, if any (held weakly)."""
+        return self._stepper.model
 
     def _collective_device(self) -> torch.device:
         return collective_device(getattr(self, "param_groups", ()), self._agreement_group())

@@ -168,7 +168,7 @@ def _expert_stacks(early_start: bool, dtype: torch.dtype) -> dict:
         model(torch.randn(8, 32, dtype=dtype)).square().mean().backward()
         opt.step()
     return dict(params=whole_params(model), status=opt.early_start, early_buckets=opt.last_step_stats.early_buckets,
-                strategies=len(opt._plan.strategies))
+                strategies=len(opt._stepper.plan.strategies))
 
 
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.float32), (3, torch.bfloat16)])

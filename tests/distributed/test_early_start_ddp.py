@@ -251,7 +251,7 @@ def _plans_under_ddp_as_on_cuda() -> dict:
     sizes = [(48, 16), (16, 64), (64, 64), (32, 16), (16, 96), (96, 32)]
     model = DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(n, m, bias=False) for n, m in sizes]))
     buckets, status = {}, {}
-    with mock.patch("dmuon.optimizer.wanted", on_cuda), mock.patch("dmuon.early_start.wanted", on_cuda):
+    with mock.patch("dmuon.step.stepper.wanted", on_cuda), mock.patch("dmuon.early_start.wanted", on_cuda):
         for name, setting in (("cost", False), ("early", True), ("default", None)):
             opt = dmuon.Muon(model, lr=0.02, bucket_bytes=64 * 64 * 4, early_start=setting)
             if name == "default":

@@ -54,7 +54,7 @@ def train(parallel: str | None, graphs: bool) -> list[torch.Tensor]:
         fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     opt = dmuon.Muon(model, lr=0.02, ns_dtype=torch.float32, cuda_graphs=graphs)
     if graphs:  # what runs on a GPU as graphs runs here through the twin
-        opt._engine.orthogonalize.cpu_twin = eager_replay
+        opt._stepper.engine.orthogonalize.cpu_twin = eager_replay
     data = torch.Generator().manual_seed(1)
     for _ in range(3):
         x = torch.randn(8, 24, generator=data)
@@ -62,7 +62,7 @@ def train(parallel: str | None, graphs: bool) -> list[torch.Tensor]:
         model(x).square().mean().backward()
         opt.step()
     if graphs:
-        assert opt._engine.orthogonalize.replays  # the calls went through the replay path
+        assert opt._stepper.engine.orthogonalize.replays  # the calls went through the replay path
     return [full_tensor(p) for p in model.parameters()]
 
 

@@ -67,7 +67,7 @@ def interpreter_checks() -> None:
     torch.manual_seed(1)
     layer = nn.Linear(96, 32, bias=False)
     opt = dmuon.Muon(layer, lr=0.05, ns_dtype=torch.float32, symmetric_products="auto")
-    assert opt._symmetric_by_shape == {(32, 96): "torch"}
+    assert opt._stepper.symmetric_by_shape == {(32, 96): "torch"}
     layer(torch.randn(8, 96)).square().mean().backward()
     opt.step()
     assert torch.equal(layer.weight.detach(), results[0])
@@ -89,7 +89,7 @@ def test_triton_on_cpu_without_the_interpreter_is_refused_early():
     with pytest.raises(ValueError, match="Invalid symmetric_products='cublas'"):
         dmuon.Muon(nn.Linear(8, 8), symmetric_products="cublas")
     opt = dmuon.Muon(nn.Linear(8, 8), symmetric_products="auto")  # nothing to measure: torch's products
-    assert opt._symmetric_by_shape == {}
+    assert opt._stepper.symmetric_by_shape == {}
 
 
 def auto_on_ranks() -> dict:
@@ -98,7 +98,7 @@ def auto_on_ranks() -> dict:
     opt = dmuon.Muon(layer, symmetric_products="auto")  # the ranks exchange their (empty) timings
     layer(torch.randn(4, 16)).square().mean().backward()
     opt.step()
-    return opt._symmetric_by_shape
+    return opt._stepper.symmetric_by_shape
 
 
 def test_auto_agrees_across_ranks_without_triton():

@@ -1,0 +1,5 @@
+"""The step of :class:`dmuon.Muon`, owned by one object (:class:`Stepper`)."""
+
+from dmuon.step.stepper import StepCompanion, Stepper
+
+__all__ = ["StepCompanion", "Stepper"]

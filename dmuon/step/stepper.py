@@ -1,0 +1,306 @@
+"""The step's owner: everything a :class:`dmuon.Muon` step runs on, in one object.
+
+A step, in order: early start's run from the backward pass finished → the ranks agree on the
+gradients and the hyperparameters (one all-reduce, :func:`dmuon.agreement.agree_on_step`) →
+state created for parameters stepped for the first time → momentum → the step plan kept or
+rebuilt (:mod:`dmuon.step_plan`) → its strategies run by the engine, AdamW while the exchange's
+last bucket is in flight, or early start's held updates applied → early start armed for the next
+backward pass. The optimizer hands the stepper its param groups and state; the stepper never
+calls back into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from dmuon import param_groups
+from dmuon.agreement import Fingerprint, agree_on_step, digest_words
+from dmuon.early_start import CHANGED, USED, DDPReduction, EarlyStart, unsupported_because, wanted
+from dmuon.elementwise import adamw_steps, update_momentum_of
+from dmuon.engine import StepStats
+from dmuon.exchange import GroupRef, collective_device
+from dmuon.hyperparameters import EngineOptions
+from dmuon.layout import owned_by, owner_shardings
+from dmuon.planner import Plan
+from dmuon.statistics import step_statistics
+from dmuon.step_plan import StepPlan, build_engine, steps_here
+from dmuon.step_values import StepValues
+
+Groups = Sequence[dict[str, Any]]
+
+
+class StepCompanion(Protocol):
+    """What follows an optimizer's steps (a :class:`dmuon.QKClip`): its figures join the step's
+    statistics, its fingerprint the step's agreement (so that the ranks compare it before
+    anything moves), and ``zero_grad()`` tells it that the gradients are gone."""
+
+    def statistics(self) -> dict[str, float]: ...
+
+    def step_fingerprint(self) -> list[tuple[str, str]]: ...
+
+    def discard(self) -> None: ...
+
+
+class Stepper:
+    """The compiled kernels, the engine, the planner with the plan it keeps, early start (its
+    hooks, DDP's comm hook, accumulation), and the step's agreement and statistics.
+
+    Args:
+        options: the optimizer's engine options.
+        replicas: the process group of the plain (replicated) tensors.
+        job: the process group the optimizer agrees over.
+    """
+
+    # rebuilt from the options after a deep copy or unpickling; the companions stay with the original
+    _LEFT_OUT = ("kernels", "engine", "planner", "plan", "companions", "model")
+
+    def __init__(self, options: EngineOptions, replicas: GroupRef, job: GroupRef) -> None:
+        self.options, self.replicas, self.job = options, replicas, job
+        self.early = EarlyStart(options.early_start)
+        self.symmetric_by_shape: dict[tuple[int, int], str] = {}  # "auto": measured at construction
+        self.skipped_steps = 0
+        self.steps_taken = 0
+        self.number: int | None = None  # the optimizer's, agreed at construction
+        self.update_squares: dict[int, list] = {}  # id(param group) -> [sum of squares, elements], last step
+        self.companions: list[StepCompanion] = []
+        self.model: Callable[[], nn.Module | None] = lambda: None  # whose meta parameters a step follows
+        self.structure_words: list[int] | None = None  # the configuration the ranks agreed on last
+        self.checked_settings: list[tuple[str, str]] = []
+        self.build()
+
+    def build(self) -> None:
+        self.kernels, self.engine, self.planner = build_engine(self.options, self.replicas(), self.symmetric_by_shape)
+        self.plan: StepPlan | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._LEFT_OUT}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.companions, self.model = [], lambda: None
+        self.build()
+
+    # ------------------------------------------------------------------ agreement and plans
+
+    def device(self, groups: Groups) -> torch.device:
+        return collective_device(groups, self.job())
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self.options.compile or self.options.cuda_graphs)
+
+    def agreed(self, groups: Groups, fingerprint: Fingerprint) -> None:
+        """After an entry point the ranks agreed on: what later steps compare."""
+        self.structure_words = digest_words(fingerprint)
+        self.checked_settings = param_groups.settings(groups)
+        self.plan = None
+        self.order_buckets(groups)  # the parameters may have changed: early start may run again
+
+    def order_buckets(self, groups: Groups) -> None:
+        """Where early start may run, the plan's buckets follow the backward pass (the model's
+        order reversed); elsewhere the cost order (:meth:`step_plan`)."""
+        self.planner.ready_order = wanted(self.options.early_start, self.device(groups).type)
+
+    def check_layouts(self, groups: Groups) -> None:
+        """At construction: every layout detected and planned, so that an unsupported one raises
+        before any collective; with ``early_start=True``, where the layouts cannot run it."""
+        here = self.stepped_here(groups)
+        self.planner.exchange_plans(self.planner.works(here))
+        if self.options.early_start and here:
+            self.early.check(self.planner.build(None, here, self.device(groups)), self.compiled,
+                             ddp_may_follow=True)  # register_ddp_comm_hook comes after
+
+    def stepped_here(self, groups: Groups) -> list[param_groups.MuonParam]:
+        """The Muon parameters this rank steps (all, unless owner-sharded to other ranks)."""
+        return [m for m in param_groups.muon_params(groups) if steps_here(m.param)]
+
+    def plans(self, groups: Groups) -> list[Plan]:
+        # a frozen parameter (requires_grad=False, no gradient) is in no step: nor in its plan
+        here = [m for m in self.stepped_here(groups) if m.param.requires_grad or m.param.grad is not None]
+        if self.planner.ready_order and self.early.setting is None and here:
+            self.step_plan(groups, here)  # the bucket order the next step will use
+        return self.planner.exchange_plans(self.planner.works(here))
+
+    def step_plan(self, groups: Groups, entries: Sequence[param_groups.MuonParam]) -> StepPlan:
+        """The plan kept, unless what it depends on changed. Early start's (buckets in the backward
+        order, every matrix whole) only where early start can run it: where it cannot (a layout it
+        does not support, DDP without ``register_ddp_comm_hook``) and ``early_start=None``, the
+        step is better served by the cost order, which may also split matrices."""
+        device = self.device(groups)
+        plan = self.planner.step_plan(self.plan, entries, device)
+        ddp = self.early.ddp or self.early.registered_ddp  # (registered here: to be agreed at the step)
+        if (self.planner.ready_order and self.early.setting is None
+                and unsupported_because(plan, self.compiled, ddp) is not None):
+            self.planner.ready_order = False
+            plan = self.planner.build(plan.key, entries, device)
+        return plan
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, groups: Groups, state: dict, nonfinite_grads: str) -> None:
+        """One step of the optimizer whose param groups and state these are (module docstring)."""
+        run = self.early.finish()  # what the backward pass began, finished: on every rank, before the agreement
+        if run is None:
+            self.engine.start_step()
+        self.update_squares = {}
+        # a rank without a run has nothing of its own to redo: where ranks' plans differ (owner
+        # sharding, a rank that steps nothing) they exchange nothing; elsewhere none has a run
+        params, here, left_alone, early = agree_on_step(
+            partial(self._prepare, groups), nonfinite_grads, self.job(), partial(self.device, groups),
+            self._fingerprint, self.engine.counter, lambda: param_groups.all_names(groups),
+            lambda: run.code(state) if run is not None else USED)
+        self.steps_taken += 1
+        if self.early.registered_ddp is not None:
+            self._use_registered_ddp_hook(groups)
+        if early == CHANGED:
+            self.early.turn_off("the gradients changed between the backward pass and step() (a second backward "
+                                "pass for gradient accumulation, or clipping or unscaling them), so its work was "
+                                "redone; accumulate with all but the last micro-batch inside optimizer.accumulating() "
+                                "instead (or DDP's or owner sharding's no_sync(), FSDP2's "
+                                "set_requires_gradient_sync(False))")
+        if left_alone is None:
+            self.skipped_steps += 1
+        else:
+            self._update(groups, state, params, here, left_alone, run, early == USED)
+        self.early.arm(self.plan, state, self.engine.context, self.engine.start_step, self.compiled, self.job())
+
+    def _update(self, groups: Groups, state: dict, params: list[Tensor], here: list[bool], left_alone: set[int],
+                run: Any, use_run: bool) -> None:
+        """The agreed step: state, momentum, the plan's strategies, or the updates early start's
+        ``run`` held where every rank may use them (``use_run``) and it ran this plan."""
+        for sharding in owner_shardings(params)[1]:
+            sharding.weights_changed()
+        stepped = {id(p) for i, (p, mine) in enumerate(zip(params, here)) if mine and i not in left_alone}
+        muon = param_groups.muon_params(groups)
+        for m in muon:
+            if owned_by(m.param) is not None and not owned_by(m.param).is_mine:
+                # An empty entry on the ranks that do not own it: every rank's optimizer state
+                # then names every parameter, as torch.distributed.checkpoint requires to load.
+                state[m.param]
+        entries = [m for m in muon if id(m.param) in stepped]
+        init_state(groups, state, entries, stepped)
+        adamw = partial(adamw_steps, groups, state, stepped)
+        if not entries:
+            adamw()
+            return
+        # the plan kept, unless what it depends on changed; AdamW runs while the exchange waits
+        plan = self.plan = self.step_plan(groups, entries)
+        if self.early.setting:  # early_start=True where this plan cannot run it: raised before anything moves
+            self.early.check(plan, self.compiled)
+        pieces = update_momentum_of(entries, state, self.kernels)
+        values = StepValues(plan, pieces, self.kernels, self.update_squares, adamw)
+        if run is not None and use_run and run.plan is plan:
+            for held in run.values.held:  # the updates the backward pass computed, on the same inputs
+                values.apply(*held)
+            values.overlap()
+            return
+        if run is not None:
+            self.engine.start_step()  # the statistics count this step's run, not the unused one
+        self.engine.run(plan.strategies, values)
+
+    def _prepare(self, groups: Groups) -> tuple[list[Tensor], list[bool], list[bool]]:
+        """This rank's part of a step before the ranks agree: the parameters (those the model
+        replaced on leaving the meta device taken from it), whether this rank steps each and
+        whether each is a replica every rank holds whole (a plain-tensor Muon parameter), the
+        owner shardings' gradients, and the hyperparameters changed since they were last
+        checked, checked as the constructor checks them."""
+        param_groups.follow_meta_parameters(groups, self.model())
+        params = [p for group in groups for p in group["params"]]
+        replicas = [algorithm == "muon" and not isinstance(p, DTensor) and owned_by(p) is None
+                    for group in groups for p, algorithm in zip(group["params"], group["algorithms"])]
+        here, shardings = owner_shardings(params)  # here: this rank steps it
+        for sharding in shardings:
+            sharding.wait_for_gradients()
+        now = param_groups.settings(groups)
+        if now != self.checked_settings:
+            param_groups.validate_groups(groups)
+            self.checked_settings = now
+        return params, here, replicas
+
+    def _fingerprint(self) -> Fingerprint:
+        """What a step depends on, as the ranks compare it: the configuration they agreed on
+        last, which optimizer this is, the steps it has taken, and the hyperparameters now."""
+        hook = self.early.ddp is not None or self.early.registered_ddp is not None
+        return [("configuration digest", repr(self.structure_words)), ("the optimizer's number", repr(self.number)),
+                ("number of steps taken", repr(self.steps_taken)), *self.checked_settings,
+                ("register_ddp_comm_hook called", repr(hook)),
+                *(row for companion in self.companions for row in companion.step_fingerprint())]
+
+    def statistics(self, groups: Groups, label: Callable[[dict[str, Any]], str], all_ranks: bool) -> dict[str, float]:
+        figures = step_statistics(self.engine.stats, self.update_squares, groups, label, self.skipped_steps,
+                                  self.job() if all_ranks else None, self.device(groups))
+        for companion in self.companions:
+            figures.update(companion.statistics())
+        return figures
+
+    @property
+    def stats(self) -> StepStats:
+        return self.engine.stats
+
+    # ------------------------------------------------------------------ early start's hooks
+
+    def register_ddp_comm_hook(self, groups: Groups, model: nn.Module) -> None:
+        """:meth:`dmuon.Muon.register_ddp_comm_hook`."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"register_ddp_comm_hook needs a DistributedDataParallel model, got "
+                            f"{type(model).__name__}.")
+        ours, theirs = self.job(), model.process_group
+        if ours is not None and dist.get_process_group_ranks(ours) != dist.get_process_group_ranks(theirs):
+            raise ValueError(f"The DDP model reduces over ranks {dist.get_process_group_ranks(theirs)}, this "
+                             f"optimizer works over ranks {dist.get_process_group_ranks(ours)}: build the optimizer "
+                             "from the DDP model (dmuon.Muon(ddp_model)) or pass its process_group.")
+        if self.early.ddp is not None or self.early.registered_ddp is not None:
+            raise ValueError("register_ddp_comm_hook was called before on this optimizer: it serves one DDP model.")
+        in_model = {id(p) for p in model.parameters()}
+        replicated = [m for m in param_groups.muon_params(groups) if owned_by(m.param) is None]
+        if replicated and not any(id(m.param) in in_model for m in replicated):
+            raise ValueError(f"register_ddp_comm_hook: the DDP model ({type(model.module).__name__}) holds none of "
+                             f"this optimizer's Muon parameters (such as {replicated[0].name!r}): pass the DDP model "
+                             "of the parameters the optimizer steps.")
+        self.early.registered_ddp = DDPReduction.of(model)  # DDP raises if the model has another comm hook
+        self.plan = None  # the next step's plan: early start's, where it can now run
+        self.order_buckets(groups)
+
+    def _use_registered_ddp_hook(self, groups: Groups) -> None:
+        """After a step's agreement, which compared whether each rank registered the DDP comm
+        hook: from now on the hook hands its buckets to early start (the early runs' collectives
+        then match on every rank)."""
+        reduction, self.early.registered_ddp = self.early.registered_ddp, None
+        reduction.hand_to(self.early)
+        self.early.ddp = reduction
+        self.plan = None  # early start's plan, where it can now run
+        self.order_buckets(groups)
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """:meth:`dmuon.Muon.accumulating`."""
+        previous, self.early.paused = self.early.paused, True
+        try:
+            yield
+        finally:
+            self.early.paused = previous
+
+
+def init_state(groups: Groups, state: dict, muon: Sequence[param_groups.MuonParam], stepped: set[int]) -> None:
+    """The state of each parameter this step updates, created at its first step (as torch's
+    ``_init_group`` does): Muon's momentum buffer, AdamW's step count and two moments, each
+    shaped and placed like the parameter (a DTensor's: its placement)."""
+    for m in muon:
+        if "momentum_buffer" not in state[m.param]:
+            state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
+    for group in groups:
+        for p, algorithm in zip(group["params"], group["algorithms"]):
+            if algorithm == "adamw" and id(p) in stepped and not state[p]:
+                state[p].update(step=torch.zeros((), dtype=torch.float32),
+                                exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
