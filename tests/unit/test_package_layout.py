@@ -116,3 +116,22 @@ def test_every_public_name_documents_its_arguments():
 
     undocumented = [name for name in dmuon.__all__ if "Args:" not in (inspect.getdoc(getattr(dmuon, name)) or "")]
     assert undocumented == []
+
+
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+               "all_to_all_single", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "barrier", "send", "recv", "isend", "irecv", "gather", "scatter"}
+
+
+def test_every_collective_of_the_product_is_in_exchange_py():
+    """``dist.<collective>(...)`` appears in ``dmuon/exchange.py`` only (the tools aside), so that
+    every collective is counted there and found in one place."""
+    offenders = []
+    for path in sorted((ROOT / "dmuon").rglob("*.py")):
+        if path.name == "exchange.py" or "tools" in path.relative_to(ROOT / "dmuon").parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} dist.{node.func.attr}")
+    assert offenders == []
