@@ -272,3 +272,28 @@ def assert_same_run(a: dict, b: dict) -> None:
     assert a["losses"] == b["losses"]
     for name, value in a["params"].items():
         assert torch.equal(value, b["params"][name]), name
+
+
+def held_and_saved_bytes(model: nn.Module, batch) -> tuple[int, int]:
+    """One AdamW training step of ``model`` on ``batch`` (:func:`dmuon.tools.workloads.training_loss`):
+    the bytes it holds (parameters, gradients, AdamW's state) and the bytes of the activations
+    autograd saves (a saved-tensors hook; parameters left out)."""
+    from dmuon.tools.workloads import training_loss
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    weights = {p.data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.data_ptr() not in weights:
+            saved[t.data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = training_loss(model, batch)
+    loss.backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(),
+                                                        *(p.grad for p in model.parameters() if p.grad is not None),
+                                                        *(v for s in opt.state.values() for v in s.values())])
+    return held, sum(saved.values())

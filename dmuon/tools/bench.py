@@ -116,6 +116,7 @@ from dmuon.tools.cli import (
     output_path,
     positive_float,
     positive_int,
+    sample_seq_len,
 )
 from dmuon.tools.demo import CONFIGS as OPTIMIZERS
 from dmuon.tools.hardware import available_memory, gpu_memory
@@ -949,13 +950,8 @@ def check_arguments(args: argparse.Namespace) -> None:
                   "Muon's bf16 Newton-Schulz would take minutes per step on the bench preset; --preset bench "
                   "forces it", file=sys.stderr)
     config = get_config(args.preset)
-    if isinstance(config, VLAConfig):
-        if args.seq_len is not None:
-            raise UsageError("--seq-len", f"a {args.preset} sample is {config.max_seq_len} tokens "
-                                          f"({config.vision.n_patches} image patches, {config.text_tokens} prompt and "
-                                          f"{config.action_steps} action tokens): leave --seq-len out")
-        args.seq_len = config.max_seq_len
-    elif args.seq_len is None:
+    args.seq_len = sample_seq_len(args.seq_len, args.preset, config)
+    if args.seq_len is None:
         args.seq_len = DEFAULT_SEQ_LEN
     check_seq_len(args.seq_len, args.preset, config.max_seq_len)
     if args.tokens_per_step is not None:

@@ -132,6 +132,21 @@ def output_path(text: str) -> str:
     return text
 
 
+def sample_seq_len(seq_len: int | None, name: str, config: object) -> int | None:
+    """An embodied model's samples have a length of their own (image patches, prompt and action
+    tokens): its length, with ``--seq-len`` left out (a :class:`UsageError` naming the parts
+    otherwise); ``seq_len`` as given for other models."""
+    from dmuon.tools.models import VLAConfig
+
+    if not isinstance(config, VLAConfig):
+        return seq_len
+    if seq_len is not None:
+        raise UsageError("--seq-len", f"a {name} sample is {config.max_seq_len} tokens ({config.vision.n_patches} "
+                                      f"image patches, {config.text_tokens} prompt and {config.action_steps} action "
+                                      "tokens): leave --seq-len out")
+    return config.max_seq_len
+
+
 def check_seq_len(seq_len: int, preset: str, max_seq_len: int) -> None:
     """A ``--seq-len`` that the ``--preset`` model can take (a :class:`UsageError` otherwise)."""
     if seq_len > max_seq_len:

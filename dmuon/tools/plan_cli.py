@@ -22,7 +22,7 @@ import sys
 from dataclasses import asdict, replace
 
 from dmuon.planner import DEFAULT_BUCKET_BYTES
-from dmuon.tools.cli import UsageError, fraction, output_path, positive_int
+from dmuon.tools.cli import UsageError, fraction, output_path, positive_int, sample_seq_len
 from dmuon.tools.costmodel import (
     DEFAULT_SEQ_LEN,
     DEFAULT_TOKENS_PER_RANK,
@@ -104,12 +104,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UsageError("--world-size", f"invalid value {args.world_size}: at most {MAX_WORLD_SIZE} (the plan "
                                          "keeps a few kB per rank)")
     args.config = config = _model_config(args.model, args.layers)
-    if isinstance(config, VLAConfig):
-        if args.seq_len is not None:
-            raise UsageError("--seq-len", f"a {args.model} sample is {config.max_seq_len} tokens "
-                                          f"({config.vision.n_patches} image patches, {config.text_tokens} prompt and "
-                                          f"{config.action_steps} action tokens): leave --seq-len out")
-        args.seq_len = config.max_seq_len
+    args.seq_len = sample_seq_len(args.seq_len, args.model, config)
     if args.seq_len is None:
         args.seq_len = min(DEFAULT_SEQ_LEN, config.max_seq_len)
     elif args.seq_len > config.max_seq_len:

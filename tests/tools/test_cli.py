@@ -126,27 +126,13 @@ def test_the_memory_floor_is_below_what_a_training_step_holds():
     what a step of the tiny Llama really holds: its parameters, gradients and AdamW's state,
     and the activations autograd saves (counted by a saved-tensors hook, parameters left out)."""
     from dmuon.tools.models import Llama, get_config, training_bytes
+    from tests.helpers import held_and_saved_bytes
 
     config = get_config("tiny")
-    model = Llama(config)
-    opt = torch.optim.AdamW(model.parameters())
-    weights = {p.data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        if t.data_ptr() not in weights:
-            saved[t.data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     x = torch.randint(0, config.vocab_size, (4, 64))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model.loss(x, x)
-    loss.backward()
-    opt.step()
-    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *(p.grad for p in model.parameters()),
-                                                        *(v for s in opt.state.values() for v in s.values())])
+    held, saved = held_and_saved_bytes(Llama(config), (x, x))
     parameters, activations = training_bytes(config, 4, 64)
-    assert parameters <= held and activations <= sum(saved.values()), (parameters, held, activations, saved)
+    assert parameters <= held and activations <= saved, (parameters, held, activations, saved)
 
 
 

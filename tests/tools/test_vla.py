@@ -21,7 +21,7 @@ from dmuon.tools.models import VLA_PRESETS, get_config, muon_units, param_count,
 from dmuon.tools.vla import VLA, SyntheticEpisodes, vla_loss
 from dmuon.tools.workloads import local_batch, training_loss
 from tests.harness import run_on_ranks
-from tests.helpers import single_process, whole_params
+from tests.helpers import held_and_saved_bytes, single_process, whole_params
 
 TRAINED_TOWER = dataclasses.replace(get_config("vla-tiny"), freeze_vision=False)
 
@@ -95,26 +95,9 @@ def test_episodes_are_a_pure_function_of_the_step_and_split_by_rank():
 
 def test_the_memory_floor_is_below_what_a_training_step_holds():
     config = get_config("vla-tiny")
-    model = VLA(config)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    weights = {p.data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        if t.data_ptr() not in weights:
-            saved[t.data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    batch = SyntheticEpisodes(config).batch(0, 4)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = vla_loss(model(batch.images, batch.tokens, batch.noisy_actions), batch)
-    loss.backward()
-    opt.step()
-    held = sum(t.numel() * t.element_size() for t in [*model.parameters(),
-                                                        *(p.grad for p in model.parameters() if p.grad is not None),
-                                                        *(v for s in opt.state.values() for v in s.values())])
+    held, saved = held_and_saved_bytes(VLA(config), SyntheticEpisodes(config).batch(0, 4))
     parameters, activations = training_bytes(config, 4, config.max_seq_len)
-    assert parameters <= held and activations <= sum(saved.values()), (parameters, held, activations, saved)
+    assert parameters <= held and activations <= saved, (parameters, held, activations, saved)
 
 
 STEPS, GLOBAL_BATCH = 4, 12
