@@ -74,6 +74,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from enum import Enum, IntEnum
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -90,8 +91,26 @@ from dmuon.strategies.base import Context
 from dmuon.strategies.planned import PlannedExchange
 from dmuon.tensors import digest, local, owns_its_memory, same_bits_each
 
-# what each rank's run can be used for at step() (the ranks agree on the highest)
-USED, NOT_USED, CHANGED = 0, 1, 2
+
+class RunUse(IntEnum):
+    """What a rank's run can be used for at ``step()``; the ranks agree on the highest (it
+    travels in the agreement's header as a number)."""
+
+    USED = 0  # its held updates are applied
+    NOT_USED = 1  # a gradient missing or a buffer changed: the step runs the plan itself
+    CHANGED = 2  # the gradients changed after the backward pass: redone, and early start turned off
+
+
+USED, NOT_USED, CHANGED = RunUse.USED, RunUse.NOT_USED, RunUse.CHANGED
+
+
+class State(Enum):
+    """Where an optimizer's early start stands; :attr:`EarlyStart.status` says it in words."""
+
+    DISABLED = "off (early_start=False)"
+    PENDING = "not yet: it starts after the first step"
+    ON = "on"
+    OFF = "off"  # where it cannot run or does not pay, or turned off: the reason goes with it
 
 # (the indices of some works, their updates, their norms or None): held until step()
 Held = tuple[Sequence[int], list[Tensor], Tensor | None]
@@ -325,12 +344,12 @@ class _Run:
         with torch.cuda.stream(self.stream):
             self.next = next(self.stages, None)
 
-    def code(self, state: dict) -> int:
+    def code(self, state: dict) -> RunUse:
         """Whether this rank can apply the held updates (:attr:`dmuon.agreement.Agreed.early`),
-        once finished: 0 when the gradients and buffers it read are there now, unchanged, with the
-        same momentum options; 1 when a gradient is missing, the state changed (a loaded state
-        dict, a changed momentum, a momentum buffer written to, also through ``.data``) or the
-        backward pass it read raised; 2 when a gradient changed after it was read.
+        once finished: USED when the gradients and buffers it read are there now, unchanged, with
+        the same momentum options; NOT_USED when a gradient is missing, the state changed (a loaded
+        state dict, a changed momentum, a momentum buffer written to, also through ``.data``) or
+        the backward pass it read raised; CHANGED when a gradient changed after it was read.
 
         A gradient is unchanged when the tensor read is at the version read and ``param.grad``
         either lies in the memory read with the digest read (some in-place changes leave the
@@ -379,7 +398,8 @@ class EarlyStart:
 
     def __init__(self, setting: bool | None) -> None:
         self.setting = setting
-        self.status = "off (early_start=False)" if setting is False else "not yet: it starts after the first step"
+        self.state = State.DISABLED if setting is False else State.PENDING
+        self.reason = ""  # why it is OFF
         # id(param) (or of an owner sharding) -> hook handle. The hooks hold this object weakly, and
         # go when it goes: a parameter must not keep an optimizer that was dropped alive, nor run its work.
         self._hooks: dict[int, Any] = {}
@@ -403,7 +423,7 @@ class EarlyStart:
             why = ("on CPU it does not pay: the hooks run on the backward pass's own thread, which leaves no idle "
                    "time to fill (measured no faster beyond the noise; early_start=True forces it)")
         if why is not None:
-            self.status = f"off: {why}"
+            self.state, self.reason = State.OFF, why
             self._remove_hooks()
             return
         # DDP's parameters: its comm hook says when they are final; owner-sharded ones: their sharding
@@ -419,7 +439,16 @@ class EarlyStart:
         if params[0].device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(device=params[0].device)
         self._run = _Run(plan, state, context, start_step, self._stream, group)
-        self.status = "on" + (" (a CUDA stream of its own)" if self._stream is not None else "")
+        self.state = State.ON
+
+    @property
+    def status(self) -> str:
+        """"on", or "off: <why>" (``Muon.early_start``)."""
+        if self.state is State.OFF:
+            return f"off: {self.reason}"
+        if self.state is State.ON and self._stream is not None:
+            return "on (a CUDA stream of its own)"
+        return self.state.value
 
     def check(self, plan: StepPlan, compiled: bool, ddp_may_follow: bool = False) -> None:
         """With ``early_start=True``: raise if it cannot run ``plan``."""
@@ -445,7 +474,7 @@ class EarlyStart:
 
     def turn_off(self, why: str) -> None:
         self.setting = False
-        self.status = f"off: {why}"
+        self.state, self.reason = State.OFF, why
         self._remove_hooks()
         warnings.warn(f"dmuon early start turned off: {why}. Steps are exact either way; pass early_start=False to "
                       "silence this.", stacklevel=4)
@@ -457,7 +486,7 @@ class EarlyStart:
         return EarlyStart(self.setting)  # a copy of an optimizer starts without hooks or a run
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"setting": self.setting, "status": self.status}
+        return {"setting": self.setting}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self.__init__(saved["setting"])
