@@ -86,7 +86,8 @@ def measure(name: str) -> None:
             argv = [out if part == "{out}" else part for part in command]
             print("$", " ".join(argv), file=sys.stderr, flush=True)
             subprocess.run(argv, cwd=ROOT, check=True)
-            runs.append({"command": " ".join(p if p != "{out}" else "PATH" for p in command),
+            shown = ["python" if p == sys.executable else "PATH" if p == "{out}" else p for p in command]
+            runs.append({"command": " ".join(shown),
                          "result": json.loads(Path(out).read_text())})
     RESULTS.mkdir(exist_ok=True)
     record = {"machine": machine_class(), "torch": torch.__version__, "commit": commit, "runs": runs}
