@@ -52,13 +52,6 @@ SMOKE = Sizes(width=32, side=48, layers=1, batch=2, steps=2,
                      "--memory-steps", "0", "--configs", "ddp-adamw,ddp-dmuon"])
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Best seconds of ``repeats`` calls after one warm-up."""
-    from dmuon.timing import best_seconds
-
-    return best_seconds(fn, device, repeats)
-
-
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -166,6 +159,7 @@ def optimizer_step(device: torch.device, sizes: Sizes) -> dict:
     """One optimizer step on Llama-3.1-8B's block matrices (``sizes.layers`` layers), gradients
     given: dmuon.Muon, torch.optim.Muon (bf16 Newton–Schulz), and fused AdamW on the same weights."""
     import dmuon
+    from dmuon.timing import best_seconds
     from dmuon.tools.models import get_config, matrix_shapes
 
     config = get_config("llama-3.1-8b", n_layers=sizes.layers)
@@ -180,7 +174,7 @@ def optimizer_step(device: torch.device, sizes: Sizes) -> dict:
         "torch_muon": torch.optim.Muon(params, lr=1e-4, adjust_lr_fn="match_rms_adamw"),
         "dmuon": dmuon.Muon([{"params": named, "algorithm": "muon"}], lr=1e-4),
     }
-    result = {name: timed(opt.step, device, sizes.steps) * 1e3 for name, opt in optimizers.items()}
+    result = {name: best_seconds(opt.step, device, sizes.steps) * 1e3 for name, opt in optimizers.items()}
     result = {f"{name}_ms": ms for name, ms in result.items()}
     result["matrices"], result["parameters"] = len(params), sum(p.numel() for p in params)
     return result

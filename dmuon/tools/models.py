@@ -426,14 +426,19 @@ class Attention(nn.Module):
         # called with the rotated q and k when set (dmuon.QKClip.for_model records max logits through it)
         self.qk_logits_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rotated queries and keys, and the values, of ``x``: [batch, heads, tokens, head_dim]."""
         batch, seq_len, _ = x.shape
         q = self.q_proj(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         if self.qk_logits_hook is not None:
             self.qk_logits_hook(q, k)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads)
@@ -589,11 +594,16 @@ class SyntheticTokens:
         Concatenating the chunks of ranks ``0..world_size-1`` gives the global
         batch back, so a data-parallel run sees exactly the single-process data.
         """
-        if global_batch % world_size:
-            raise ValueError(f"global_batch {global_batch} is not divisible by world_size {world_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside [0, {world_size})")
         inputs, targets = self.batch(step, global_batch, seq_len)
-        size = global_batch // world_size
-        rows = slice(rank * size, (rank + 1) * size)
+        rows = rank_rows(global_batch, rank, world_size)
         return inputs[rows], targets[rows]
+
+
+def rank_rows(global_batch: int, rank: int, world_size: int) -> slice:
+    """Rank ``rank``'s contiguous rows of a global batch split evenly over ``world_size`` ranks."""
+    if global_batch % world_size:
+        raise ValueError(f"global_batch {global_batch} is not divisible by world_size {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, {world_size})")
+    size = global_batch // world_size
+    return slice(rank * size, (rank + 1) * size)

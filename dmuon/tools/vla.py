@@ -27,7 +27,7 @@ from dmuon.tools.models import (
     VLAConfig,
     _mix_seed,
     _rotary_cos_sin,
-    _rotate_half,
+    rank_rows,
 )
 
 __all__ = ["VLA", "EpisodeBatch", "SyntheticEpisodes", "vla_loss"]
@@ -69,17 +69,6 @@ class VisionTower(nn.Module):
         return self.norm(x)
 
 
-def _heads(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A stream's rotated queries and keys, and its values: [batch, heads, tokens, head_dim]."""
-    attn, (batch, tokens, _) = block.attn, x.shape
-    h = block.attn_norm(x)
-    q = attn.q_proj(h).view(batch, tokens, attn.n_heads, attn.head_dim).transpose(1, 2)
-    k = attn.k_proj(h).view(batch, tokens, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-    v = attn.v_proj(h).view(batch, tokens, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
-
-
 class JointLayer(nn.Module):
     """One depth of the language model (``language``) and the action expert (``action``): one
     attention over both streams' tokens, then each stream's own MLP. A module of its own so that
@@ -92,8 +81,8 @@ class JointLayer(nn.Module):
     def forward(self, x: torch.Tensor, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         prefix = x.shape[1]
-        qx, kx, vx = _heads(self.language, x, cos[:prefix], sin[:prefix])
-        qa, ka, va = _heads(self.action, a, cos[prefix:], sin[prefix:])
+        qx, kx, vx = self.language.attn.project(self.language.attn_norm(x), cos[:prefix], sin[:prefix])
+        qa, ka, va = self.action.attn.project(self.action.attn_norm(a), cos[prefix:], sin[prefix:])
         attn = self.language.attn
         out = F.scaled_dot_product_attention(torch.cat((qx, qa), 2), torch.cat((kx, ka), 2), torch.cat((vx, va), 2),
                                              attn_mask=mask, enable_gqa=attn.n_heads != attn.n_kv_heads)
@@ -213,7 +202,5 @@ class SyntheticEpisodes:
 
     def local_batch(self, step: int, global_batch: int, rank: int, world_size: int) -> EpisodeBatch:
         """Rank ``rank``'s contiguous share of ``batch(step, global_batch)``."""
-        if global_batch % world_size:
-            raise ValueError(f"global_batch {global_batch} is not divisible by world_size {world_size}")
-        size = global_batch // world_size
-        return EpisodeBatch(*(t[rank * size:(rank + 1) * size] for t in self.batch(step, global_batch)))
+        rows = rank_rows(global_batch, rank, world_size)
+        return EpisodeBatch(*(t[rows] for t in self.batch(step, global_batch)))

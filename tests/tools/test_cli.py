@@ -53,6 +53,9 @@ def rejects(argv: list[str], capsys) -> str:
 
 BAD_INPUTS = [
     # (argv, option named in the error, text the error must contain)
+    (["bench", "--preset", "vla", "--seq-len", "64"], "--seq-len", "leave --seq-len out"),
+    (["plan", "--model", "vla", "--seq-len", "64"], "--seq-len", "leave --seq-len out"),
+    (["plan", "--model", "pi0", "--world-size", "64", "--tp", "2"], "--tp/--pp/--ep", "data parallel only"),
     (["bench", "--world-size", "0"], "--world-size", "0"),
     (["bench", "--world-size", "-1"], "--world-size", "-1"),
     (["bench", "--batch-size", "0"], "--batch-size", "0"),

@@ -170,19 +170,6 @@ def test_bench_runs_the_vla_and_gives_its_verdict(tmp_path, capsys):
     assert all(r["step_ms"] > 0 and r["final_loss"] > 0 for r in records)
 
 
-@pytest.mark.parametrize("argv,option,detail", [
-    (["bench", "--preset", "vla", "--seq-len", "64"], "--seq-len", "leave --seq-len out"),
-    (["plan", "--model", "vla", "--seq-len", "64"], "--seq-len", "leave --seq-len out"),
-    (["plan", "--model", "pi0", "--world-size", "64", "--tp", "2"], "--tp/--pp/--ep", "data parallel only"),
-])
-def test_vla_bad_input_is_one_clear_error(argv, option, detail, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"argument {option}: " in last and detail in last
-
-
 @pytest.mark.parametrize("world", [64, 256])
 def test_plan_predicts_pi0_and_prints_its_balance(world, capsys):
     assert main(["plan", "--model", "pi0", "--world-size", str(world), "--hardware", "h100"]) == 0
