@@ -34,11 +34,11 @@ import torch.multiprocessing as mp
 TIMED = [
     ("dmuon.step.stepper", "agree_on_step", "agree on the step"),
     ("dmuon.step.stepper", "update_momentum_of", "momentum"),
-    ("dmuon.elementwise", "adamw_step", "AdamW"),
-    ("dmuon.step_values", "StepValues.inputs", "Nesterov inputs"),
+    ("dmuon.step.elementwise", "adamw_step", "AdamW"),
+    ("dmuon.step.values", "StepValues.inputs", "Nesterov inputs"),
     ("dmuon.strategies.planned", "start_all_to_all", "pack + start all-to-all"),
     ("dmuon.exchange", "PendingExchange.wait", "wait for an all-to-all"),
-    ("dmuon.step_values", "StepValues.apply", "apply updates"),
+    ("dmuon.step.values", "StepValues.apply", "apply updates"),
 ]
 PHASES = [phase for _, _, phase in TIMED] + ["Newton-Schulz", "other"]
 WARMUP = 2

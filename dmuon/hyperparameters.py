@@ -4,6 +4,7 @@ each algorithm applies. Pure: no tensors are touched but the hyperparameters the
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -155,6 +156,17 @@ def unexpected_option_message(cls_name: str, name: str, known: Sequence[str]) ->
         close = difflib.get_close_matches(name, list(known), n=1)
         hint = f"did you mean {close[0]!r}?" if close else None
     return f"{message}: {hint}" if hint else message
+
+
+def reject_unknown_keywords(cls: type, kwargs: dict[str, Any]) -> None:
+    """An option of another optimizer gets a pointer to dmuon's, not Python's bare TypeError. A
+    class whose ``__init__`` takes ``**kwargs`` (a subclass's) passes them on or uses them itself."""
+    options = inspect.signature(cls.__init__).parameters
+    if any(o.kind is inspect.Parameter.VAR_KEYWORD for o in options.values()):
+        return
+    unknown = [k for k in kwargs if k not in options]
+    if unknown:
+        raise TypeError(unexpected_option_message(cls.__name__, unknown[0], [o for o in options if o != "self"]))
 
 
 def check_use_addmm(value: Any, where: str = "") -> None:

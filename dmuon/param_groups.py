@@ -36,6 +36,7 @@ from dmuon.hyperparameters import (
     validate_muon_group,
 )
 from dmuon.layout import owned_by
+from dmuon.orthogonalization import default_dtype_reason
 from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, Route, block_rows, default_route, matrix_shape
 from dmuon.tensors import label
 
@@ -304,6 +305,13 @@ def routes(groups: Sequence[dict[str, Any]]) -> dict[str, Route]:
 # Names of fused projections (several weights stacked in one): Newton–Schulz of the whole differs
 # from that of each block, which ``ns_blocks`` gives.
 FUSED_NAMES = ("qkv", "query_key_value", "in_proj", "gate_up", "w13", "c_attn")
+
+
+def default_dtype_reasons(groups: Sequence[dict[str, Any]]) -> list[str]:
+    """What ``ns_dtype=None`` resolves to, and why: one line per device type of the Muon
+    parameters whose group leaves the dtype to dmuon."""
+    types = sorted({m.param.device.type for m in muon_params(groups) if m.param_group["ns_dtype"] is None})
+    return [default_dtype_reason(t) for t in types]
 
 
 def fused_hint(name: str, m: int, n: int) -> str:

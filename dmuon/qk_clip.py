@@ -419,11 +419,12 @@ class QKClip:
         self.optimizer, self.threshold, self.alpha = optimizer, threshold, alpha
         self.layers = dict(layers)
         # a dmuon Muon agrees on this clip in its step's agreement, over its own ranks
-        self._companions = getattr(optimizer, "_companions", None)
-        if process_group is None and self._companions is not None:
-            process_group = optimizer._agreement_group()
+        stepper = getattr(optimizer, "_stepper", None)
+        self._companions = stepper.companions if stepper is not None else None
+        if process_group is None and stepper is not None:
+            process_group = stepper.job()
         self._process_group = GroupRef(job_group(process_group))
-        self._check(model if model is not None else getattr(optimizer, "_model", lambda: None)())
+        self._check(model if model is not None else stepper.model() if stepper is not None else None)
         self._slots: dict[str, slice] = {}
         start = 0
         for name, layer in self.layers.items():

@@ -3,7 +3,7 @@
 A step, in order: early start's run from the backward pass finished → the ranks agree on the
 gradients and the hyperparameters (one all-reduce, :func:`dmuon.agreement.agree_on_step`) →
 state created for parameters stepped for the first time → momentum → the step plan kept or
-rebuilt (:mod:`dmuon.step_plan`) → its strategies run by the engine, AdamW while the exchange's
+rebuilt (:mod:`dmuon.step.plan`) → its strategies run by the engine, AdamW while the exchange's
 last bucket is in flight, or early start's held updates applied → early start armed for the next
 backward pass. The optimizer hands the stepper its param groups and state; the stepper never
 calls back into it.
@@ -23,16 +23,16 @@ from torch.distributed.tensor import DTensor
 
 from dmuon import param_groups
 from dmuon.agreement import Fingerprint, agree_on_step, digest_words
-from dmuon.early_start import CHANGED, USED, DDPReduction, EarlyStart, unsupported_because, wanted
-from dmuon.elementwise import adamw_steps, update_momentum_of
-from dmuon.engine import StepStats
 from dmuon.exchange import GroupRef, collective_device
 from dmuon.hyperparameters import EngineOptions
 from dmuon.layout import owned_by, owner_shardings
 from dmuon.planner import Plan
-from dmuon.statistics import step_statistics
-from dmuon.step_plan import StepPlan, build_engine, steps_here
-from dmuon.step_values import StepValues
+from dmuon.step.early_start import CHANGED, USED, DDPReduction, EarlyStart, unsupported_because, wanted
+from dmuon.step.elementwise import adamw_steps, update_momentum_of
+from dmuon.step.engine import StepStats
+from dmuon.step.plan import StepPlan, build_engine, steps_here
+from dmuon.step.statistics import step_statistics
+from dmuon.step.values import StepValues
 
 Groups = Sequence[dict[str, Any]]
 

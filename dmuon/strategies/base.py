@@ -148,7 +148,7 @@ class StepStats:
     bytes_sent: int = 0
     collectives: int = 0
     gangs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # split matrices: name → global ranks
-    # early start (dmuon.early_start): buckets begun in the backward pass, of how many in all
+    # early start (dmuon.step.early_start): buckets begun in the backward pass, of how many in all
     early_buckets: tuple[int, int] = (0, 0)
     # every Newton–Schulz call, in order: (input shape, dtype, config, on column blocks), so that a
     # benchmark can time the same calls alone (dmuon bench's optimizer-step efficiency)

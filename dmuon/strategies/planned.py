@@ -129,7 +129,7 @@ class PlannedExchange:
 
     def stages(self, io: StepIO, ctx: Context) -> Iterator[int]:
         """The run, in stages: it yields ``k`` before it first reads an input of bucket ``k``, so
-        that early start (:mod:`dmuon.early_start`) can resume it once bucket ``k``'s gradients
+        that early start (:mod:`dmuon.step.early_start`) can resume it once bucket ``k``'s gradients
         are final, while the backward pass goes on. Every rank runs the same stages in the same
         order; only when each one runs may differ."""
         if self.process_group is None:

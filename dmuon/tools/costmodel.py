@@ -17,7 +17,7 @@ Assumptions, each stated where it is used:
   and reduce-scatters the gradients; DDP all-reduces the gradients (2(N−1)/N·P·4 bytes, the ring
   cost). Ring collectives cross nodes at the inter-node bandwidth once N exceeds a node.
 * Element-wise phases are memory-bound: bytes per element counted from the kernels that
-  dmuon/optimizer.py, dmuon/step_values.py, torch's AdamW and the FSDP2/DDP wrappers run (constants
+  dmuon/optimizer.py, dmuon/step/values.py, torch's AdamW and the FSDP2/DDP wrappers run (constants
   below), at the workload's ``elementwise_efficiency`` of the profile's rates: 1 on GPUs; on a
   CPU, where a real step's kernels meet cold caches, fresh allocations and per-call dispatch
   that the profile's streaming benchmark does not, the share one rank's measured optimizer

@@ -1,4 +1,4 @@
-"""Simulates dmuon's optimizer step as :mod:`dmuon.engine` runs the plan, and predicts step times.
+"""Simulates dmuon's optimizer step as :mod:`dmuon.step.engine` runs the plan, and predicts step times.
 
 Every rank has a compute timeline (a vector over ranks); collectives run one after the other on
 one communication stream, each starting once every rank has issued it (the slowest rank gates
@@ -23,7 +23,7 @@ other parameters, and the one all-reduce that agrees on skipped steps.
 The simulation is deterministic, O(buckets · ranks), and is the optimizer term of
 :func:`predict`, which adds forward+backward and the baselines from :mod:`dmuon.tools.costmodel`.
 
-Early start (:mod:`dmuon.early_start`; in every mode: under DDP with dmuon's comm hook) is modelled
+Early start (:mod:`dmuon.step.early_start`; in every mode: under DDP with dmuon's comm hook) is modelled
 on top: the work of every bucket but the last may run during the backward pass (two thirds of
 the forward+backward products), but only in the device time the backward pass leaves idle —
 ``HardwareProfile.backward_idle_fraction`` of it, 6 % on GPUs from one H200 measurement, 0 on

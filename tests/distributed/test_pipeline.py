@@ -102,7 +102,7 @@ def staged(schedule: str, layers: int, dtype: torch.dtype, torchtitan: bool = Fa
         if last:
             losses.append(torch.stack(step_losses).mean().item())
     return dict(losses=losses, params={n: p.full_tensor() for n, p in parts.items()},
-                groups=[dist.get_process_group_ranks(opt._agreement_group()) for opt in optimizers])
+                groups=[dist.get_process_group_ranks(opt._stepper.job()) for opt in optimizers])
 
 
 TORCHTITAN = pytest.mark.skipif(sys.version_info < (3, 11), reason="torchtitan 0.3.0 needs Python >= 3.11")

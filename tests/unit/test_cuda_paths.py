@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dmuon.early_start import _Run
+from dmuon.step.early_start import _Run
 from dmuon.strategies.base import StepStats
 
 DEVICE = torch.device("cuda", 1)

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 import dmuon
-from dmuon.elementwise import apply_updates_all
 from dmuon.orthogonalization import newton_schulz, normalize, orthogonalize, orthogonalize_column_blocks, resolve_config
 from dmuon.reference import ReferenceMuon
+from dmuon.step.elementwise import apply_updates_all
 from tests.harness import run_on_ranks
 from tests.helpers import local, params_and_reference, placements_for, rows_of, step_with_reference
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dmuon
-from dmuon.elementwise import scalar
+from dmuon.step.elementwise import scalar
 from tests.unit.nets import loss_of, make_net, set_random_grads, snapshot
 
 

@@ -1,7 +1,7 @@
 """Runs a step plan's strategies: the engine only dispatches.
 
 What a step does — which strategy orthogonalizes which works, with which owners and buckets — is
-decided once, in :mod:`dmuon.step_plan`. A step hands the engine those strategies and the step's
+decided once, in :mod:`dmuon.step.plan`. A step hands the engine those strategies and the step's
 values (:class:`~dmuon.strategies.base.StepIO`); every rank runs every strategy in the plan's
 order (:class:`~dmuon.strategies.base.Strategy`), with the engine's :class:`Context` (the
 Newton–Schulz function, the wire dtype, this step's counters).

@@ -6,11 +6,11 @@ whether HSDP replicas split the work, which 1-D sharded matrices run distributed
 Newton–Schulz on their column blocks, which matrices are split over gangs of ranks — and from
 those the strategies (:mod:`dmuon.strategies`) with their owners, buckets and process groups. It is
 the one place that decides: the cost model's choices come from :func:`dmuon.planner.choose`,
-which ``dmuon plan`` calls too, and the engine (:mod:`dmuon.engine`) only runs what the plan
+which ``dmuon plan`` calls too, and the engine (:mod:`dmuon.step.engine`) only runs what the plan
 lists. The optimizer keeps one plan and rebuilds it only when its key changes: other parameter
 objects (as after Accelerate's ``prepare``), other parameters with a gradient, a changed
 ``requires_grad``, other Newton–Schulz options, or a new group or loaded state. A step then only
-moves values (:mod:`dmuon.step_values`).
+moves values (:mod:`dmuon.step.values`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from dmuon.cuda_graphs import GraphedOrthogonalize
-from dmuon.elementwise import CompiledKernels, compile_kernels
-from dmuon.engine import Engine
 from dmuon.exchange import GroupRef
 from dmuon.hyperparameters import EngineOptions, adjusted_lr_ratio, ns_config
 from dmuon.layout import detect_layout, owned_by
@@ -43,6 +41,8 @@ from dmuon.planner import (
     exchange_plans,
 )
 from dmuon.routing import block_rows, matrix_shape
+from dmuon.step.elementwise import CompiledKernels, compile_kernels
+from dmuon.step.engine import Engine
 from dmuon.strategies.base import Block, MatrixWork, Strategy, return_dtype, unit_of, wire_dtype
 from dmuon.strategies.column_blocks import ColumnBlocks
 from dmuon.strategies.gangs import Gangs

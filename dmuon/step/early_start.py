@@ -85,8 +85,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dmuon.exchange import all_reduce_max, start_all_reduce_sum
 from dmuon.layout import owned_by
-from dmuon.step_plan import StepPlan
-from dmuon.step_values import StepValues
+from dmuon.step.plan import StepPlan
+from dmuon.step.values import StepValues
 from dmuon.strategies.base import Context
 from dmuon.strategies.planned import PlannedExchange
 from dmuon.tensors import digest, local, owns_its_memory, same_bits_each

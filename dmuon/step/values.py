@@ -1,6 +1,6 @@
 """The values of one step: what the engine's strategies ask for and hand back.
 
-The step plan (:mod:`dmuon.step_plan`) holds no tensor values; a step makes one
+The step plan (:mod:`dmuon.step.plan`) holds no tensor values; a step makes one
 :class:`StepValues` from the plan and the parameters' gradients and momentum buffers. It answers
 a strategy's request for Newton–Schulz inputs (computed then, from the momentum, a param group
 at a time) and applies the updates the strategy hands back (``W ← W·(1 − lr·wd) − lr·r·O``),
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon.elementwise import CompiledKernels, apply_updates_all, nesterov_inputs_all, scalar
-from dmuon.step_plan import StepPlan
+from dmuon.step.elementwise import CompiledKernels, apply_updates_all, nesterov_inputs_all, scalar
+from dmuon.step.plan import StepPlan
 from dmuon.strategies.base import MatrixWork
 from dmuon.tensors import local
 
