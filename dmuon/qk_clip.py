@@ -376,6 +376,90 @@ NOT_RECORDED = -math.inf
 _NONFINITE, _BAD_RECORD = 1.0, 2.0  # per-layer problem codes in the all-reduced records (0: none)
 
 
+def recordable_attention(model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, nn.Module], nn.Module]:
+    """The attention modules of ``model`` that :func:`attention_layer_of` recognises, by module
+    path: those with dmuon's ``qk_logits_hook``, the others (recorded through a Hugging Face
+    model's attention registry), and the model inside its DDP wrapper.
+
+    Raises:
+        ValueError: none is recognised, the others' logits cannot be recorded, or another
+            QKClip records them already.
+    """
+    modules = {name.removeprefix("module."): m for name, m in model.named_modules()
+               if attention_layer_of(m) is not None}
+    if not modules:
+        raise ValueError(f"No attention module that QKClip recognises in {type(model).__name__}: describe the "
+                         "layers with AttentionLayer, build QKClip(optimizer, layers), and call record() from "
+                         "your attention.")
+    hooked = {name: m for name, m in modules.items() if hasattr(m, "qk_logits_hook")}
+    others = {name: m for name, m in modules.items() if name not in hooked}
+    inner = getattr(model, "module", model)  # under DDP
+    if others and getattr(getattr(inner, "config", None), "_attn_implementation", None) is None:
+        raise ValueError(f"QKClip cannot record the logits of {sorted(others)} by itself: build "
+                         "QKClip(optimizer, layers) and call clip.record(name, max_logits(q, k), query=q) from "
+                         "their attention.")
+    taken = _recording_taken(inner, hooked)
+    if taken:
+        raise ValueError(f"Another QKClip records the max logits of {taken[0]!r} already: remove() it first "
+                         "(one QKClip per model).")
+    return hooked, others, inner
+
+
+def check_settings(threshold: Any, alpha: Any, layers: Mapping[str, Any]) -> None:
+    """QKClip's own options, before its layers are checked against the optimizer's parameters."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+            math.isfinite(threshold) and threshold > 0):
+        raise ValueError(f"Invalid threshold={threshold!r}. Must be a finite number > 0.")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+        raise ValueError(f"Invalid alpha={alpha!r}. Must be in [0, 1].")
+    if not layers:
+        raise ValueError("QKClip needs at least one attention layer.")
+    for name, layer in layers.items():
+        if not isinstance(layer, AttentionLayer):
+            raise ValueError(f"Attention layer {name!r} is a {type(layer).__name__}, not an AttentionLayer.")
+
+
+def raise_for_records(codes: Tensor, slots: Mapping[str, slice], problems: dict[str, str], unknown: list[str]) -> None:
+    """The same error on every rank, naming the layer, when any rank's records were bad
+    (``codes``: one per layer, then one for unknown names, as the ranks agreed on them)."""
+    if codes[-1] > 0:
+        names = ", ".join(unknown) if unknown else "on another rank"
+        raise ValueError(f"QKClip.record was given a layer name it does not know ({names}); its layers are "
+                         f"{sorted(slots)}. Nothing was clipped.")
+    for i, name in enumerate(slots):
+        if codes[i] == _BAD_RECORD:
+            detail = problems.get(name, "a bad record on another rank")
+            raise ValueError(f"QKClip: attention layer {name!r}: {detail}. Nothing was clipped.")
+        if codes[i] == _NONFINITE:
+            raise FloatingPointError(f"QKClip: attention layer {name!r} recorded a non-finite max logit (NaN or "
+                                     "inf) this step. Nothing was clipped.")
+
+
+def scale_heads(layer: AttentionLayer, maxima: Tensor, threshold: float, alpha: float) -> None:
+    """Multiply the rows of every tensor of ``layer`` by its heads' factors (:func:`head_scales`)."""
+    q_scales, k_scales = head_scales(maxima, threshold, alpha, layer.kv_heads)
+    blocks: dict[int, tuple[Tensor, int, list[tuple[int, Tensor]]]] = {}
+    for what, tensor, out_dim, offset in layer.targets():
+        per_head = q_scales if what.startswith("q") else k_scales
+        blocks.setdefault(id(tensor), (tensor, out_dim, []))[2].append((offset, per_head))
+    with torch.no_grad():
+        for tensor, out_dim, parts in blocks.values():  # a fused weight or bias: scaled once
+            scale_rows_(tensor, out_dim, row_scales(tensor.shape[out_dim], parts, layer.head_dim))
+
+
+def describe(threshold: float, alpha: float, layers: Mapping[str, AttentionLayer],
+             positions: Mapping[str, tuple[int, ...]]) -> list[tuple[str, str]]:
+    """What the ranks compare of a clip: its settings, and each layer's heads, rows, shapes and
+    the positions of its tensors among the optimizer's parameters."""
+    rows = [("threshold", repr(float(threshold))), ("alpha", repr(float(alpha)))]
+    for name, layer in layers.items():
+        shapes = [tuple(t.shape) for _, t, _, _ in layer.targets()]
+        rows.append((f"attention layer {name!r}", repr((layer.num_heads, layer.kv_heads, layer.head_dim,
+                                                        layer.q_offset, layer.k_offset, layer.out_dim, shapes,
+                                                        positions[name]))))
+    return rows
+
+
 class QKClip:
     """QK-clip for the attention layers of a model trained by ``optimizer`` (see the module's
     docstring): after every ``optimizer.step()`` (a step post-hook), one all-reduce of the
@@ -384,13 +468,10 @@ class QKClip:
 
     **Records belong to the step whose gradients they came with.** A record taken with its
     forward pass's ``query`` (as :meth:`for_model`'s are) counts once the backward pass reaches
-    that query, so a forward pass whose backward never ran (an exception, an evaluation with
-    autograd on) adds nothing; a record without one counts at once. The next ``step()`` uses the
-    records, or drops them where it skipped the step (non-finite gradients) or raised;
-    :meth:`discard` drops them; a dmuon ``Muon``'s ``zero_grad()`` drops them too, as the
-    gradients they came with are gone (a batch whose step the loop skipped: a GradScaler's skip,
-    a caught out-of-memory error). With another optimizer, call :meth:`discard` where the loop
-    skips a step.
+    that query (a forward pass whose backward never ran adds nothing); one without, at once. The
+    next ``step()`` uses them, or drops them where it skipped the step or raised, as do
+    :meth:`discard` and a dmuon ``Muon``'s ``zero_grad()`` (the gradients they came with are
+    gone). With another optimizer, call :meth:`discard` where the loop skips a step.
 
     **Under torch.distributed** construction is local. With a dmuon ``Muon`` the ranks compare
     their clips (settings and layers) in the agreement that begins each step, before any weight
@@ -431,7 +512,8 @@ class QKClip:
             self._slots[name] = slice(start, start + layer.num_heads)
             start += layer.num_heads
         self._heads = start  # query heads of all layers: the records' length
-        self._description = [(f"QKClip {key}", value) for key, value in self._fingerprint()]
+        self._description = [(f"QKClip {key}", value)
+                             for key, value in describe(self.threshold, self.alpha, self.layers, self._positions)]
         self._records: Tensor | None = None  # committed to the step
         self._problems: dict[str, str] = {}
         self._unknown: list[str] = []
@@ -448,33 +530,12 @@ class QKClip:
     @classmethod
     def for_model(cls, optimizer: torch.optim.Optimizer, model: nn.Module, *, threshold: float = 100.0,
                   alpha: float = 0.5, process_group: dist.ProcessGroup | None = None) -> QKClip:
-        """A QKClip for every attention module of ``model`` that :func:`attention_layer_of`
-        recognises, named by module path, recording their max logits itself (a Hugging Face
-        model through its attention registry, with the attention mask its implementation
-        builds; dmuon's own model through its hook). ``model`` may be wrapped (DDP, FSDP2,
-        owner sharding).
-
-        Raises:
-            ValueError: no attention module is recognised, their logits cannot be recorded,
-                or another QKClip records them already.
-        """
-        modules = {name.removeprefix("module."): m for name, m in model.named_modules()
-                   if attention_layer_of(m) is not None}
-        if not modules:
-            raise ValueError(f"No attention module that QKClip recognises in {type(model).__name__}: describe the "
-                             "layers with AttentionLayer, build QKClip(optimizer, layers), and call record() from "
-                             "your attention.")
-        hooked = {name: m for name, m in modules.items() if hasattr(m, "qk_logits_hook")}
-        others = {name: m for name, m in modules.items() if name not in hooked}
-        inner = getattr(model, "module", model)  # under DDP
-        if others and getattr(getattr(inner, "config", None), "_attn_implementation", None) is None:
-            raise ValueError(f"QKClip cannot record the logits of {sorted(others)} by itself: build "
-                             "QKClip(optimizer, layers) and call clip.record(name, max_logits(q, k), query=q) from "
-                             "their attention.")
-        taken = _recording_taken(inner, hooked)
-        if taken:
-            raise ValueError(f"Another QKClip records the max logits of {taken[0]!r} already: remove() it first "
-                             "(one QKClip per model).")
+        """A QKClip for every attention module of ``model`` (wrapped or not) that
+        :func:`recordable_attention` finds, by module path, recording their max logits itself
+        (dmuon's model through its hook; a Hugging Face model through its attention registry,
+        with the mask its implementation builds). Raises as :func:`recordable_attention` does."""
+        hooked, others, inner = recordable_attention(model)
+        modules = {**hooked, **others}
         clip = cls(optimizer, {name: attention_layer_of(m) for name, m in modules.items()}, threshold=threshold,
                    alpha=alpha, process_group=process_group, model=model)
         for name, module in hooked.items():
@@ -490,17 +551,9 @@ class QKClip:
         return collective_device(self.optimizer.param_groups, self._process_group())
 
     def _check(self, model: nn.Module | None) -> None:
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not (
-                math.isfinite(self.threshold) and self.threshold > 0):
-            raise ValueError(f"Invalid threshold={self.threshold!r}. Must be a finite number > 0.")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
-            raise ValueError(f"Invalid alpha={self.alpha!r}. Must be in [0, 1].")
-        if not self.layers:
-            raise ValueError("QKClip needs at least one attention layer.")
+        check_settings(self.threshold, self.alpha, self.layers)
         positions = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
         for name, layer in self.layers.items():
-            if not isinstance(layer, AttentionLayer):
-                raise ValueError(f"Attention layer {name!r} is a {type(layer).__name__}, not an AttentionLayer.")
             check_layer(name, layer, positions.keys())
         if model is not None:
             check_against_modules(self.layers, model)
@@ -510,15 +563,6 @@ class QKClip:
                               "num_heads, num_kv_heads and head_dim if they should be.", stacklevel=3)
         self._positions = {name: tuple(positions[id(t)] for _, t, _, _ in layer.targets())
                            for name, layer in self.layers.items()}
-
-    def _fingerprint(self) -> list[tuple[str, str]]:
-        rows = [("threshold", repr(float(self.threshold))), ("alpha", repr(float(self.alpha)))]
-        for name, layer in self.layers.items():
-            shapes = [tuple(t.shape) for _, t, _, _ in layer.targets()]
-            rows.append((f"attention layer {name!r}", repr((layer.num_heads, layer.kv_heads, layer.head_dim,
-                                                            layer.q_offset, layer.k_offset, layer.out_dim, shapes,
-                                                            self._positions[name]))))
-        return rows
 
     def step_fingerprint(self) -> list[tuple[str, str]]:
         """What a dmuon ``Muon``'s step agreement compares of this clip: its settings and layers."""
@@ -637,7 +681,7 @@ class QKClip:
         if group is not None:
             all_reduce_max(values, group)
         values = values.cpu()
-        self._raise_for(values[total:], problems, unknown)
+        raise_for_records(values[total:], self._slots, problems, unknown)
         self._last = {}
         heads_clipped, best = 0, NOT_RECORDED
         for name, slot in self._slots.items():
@@ -655,33 +699,8 @@ class QKClip:
             over = int((maxima > self.threshold).sum())
             heads_clipped += over
             if over and apply:
-                self._scale(layer, maxima)
+                scale_heads(layer, maxima, float(self.threshold), float(self.alpha))
         self._last.update({"qk_clip/max_logit": best, "qk_clip/heads_clipped": float(heads_clipped if apply else 0)})
-
-    def _raise_for(self, codes: Tensor, problems: dict[str, str], unknown: list[str]) -> None:
-        """The same error on every rank, naming the layer, when any rank's records were bad."""
-        if codes[-1] > 0:
-            names = ", ".join(unknown) if unknown else "on another rank"
-            raise ValueError(f"QKClip.record was given a layer name it does not know ({names}); its layers are "
-                             f"{sorted(self._slots)}. Nothing was clipped.")
-        for i, name in enumerate(self._slots):
-            if codes[i] == _BAD_RECORD:
-                detail = problems.get(name, "a bad record on another rank")
-                raise ValueError(f"QKClip: attention layer {name!r}: {detail}. Nothing was clipped.")
-            if codes[i] == _NONFINITE:
-                raise FloatingPointError(f"QKClip: attention layer {name!r} recorded a non-finite max logit (NaN or "
-                                         "inf) this step. Nothing was clipped.")
-
-    def _scale(self, layer: AttentionLayer, maxima: Tensor) -> None:
-        """Multiply the rows of every tensor of ``layer`` by its heads' factors."""
-        q_scales, k_scales = head_scales(maxima, float(self.threshold), float(self.alpha), layer.kv_heads)
-        blocks: dict[int, tuple[Tensor, int, list[tuple[int, Tensor]]]] = {}
-        for what, tensor, out_dim, offset in layer.targets():
-            per_head = q_scales if what.startswith("q") else k_scales
-            blocks.setdefault(id(tensor), (tensor, out_dim, []))[2].append((offset, per_head))
-        with torch.no_grad():
-            for tensor, out_dim, parts in blocks.values():  # a fused weight or bias: scaled once
-                scale_rows_(tensor, out_dim, row_scales(tensor.shape[out_dim], parts, layer.head_dim))
 
     def statistics(self) -> dict[str, float]:
         """The last step's figures (the job's, the same on every rank): ``qk_clip/max_logit``,
