@@ -71,23 +71,25 @@ it can overlap the backward pass.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from enum import Enum, IntEnum
 from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dmuon.exchange import all_reduce_max, start_all_reduce_sum
 from dmuon.layout import owned_by
+from dmuon.param_groups import MuonParam
+from dmuon.step.engine import Bucket, Engine
 from dmuon.step.plan import StepPlan
 from dmuon.step.values import StepValues
-from dmuon.strategies.base import Context
 from dmuon.strategies.planned import PlannedExchange
 from dmuon.tensors import digest, local, owns_its_memory, same_bits_each
 
@@ -111,12 +113,6 @@ class State(Enum):
     PENDING = "not yet: it starts after the first step"
     ON = "on"
     OFF = "off"  # where it cannot run or does not pay, or turned off: the reason goes with it
-
-# (the indices of some works, their updates, their norms or None): held until step()
-Held = tuple[Sequence[int], list[Tensor], Tensor | None]
-
-# a bucket of a step plan: (its strategy's position in the plan, its position in the strategy)
-Bucket = tuple[int, int]
 
 # a DDP bucket being all-reduced: (its parameters, their gradients in it, the all-reduce's future)
 Reducing = tuple[list[Tensor], list[Tensor], torch.futures.Future]
@@ -162,13 +158,13 @@ def unsupported_because(plan: StepPlan, compiled: bool, ddp: DDPReduction | None
 
 class EarlyValues(StepValues):
     """The step plan's values during the backward pass: the Newton–Schulz inputs from the
-    momentum computed out of place (the buffers are not touched), the updates held, AdamW left
-    for ``step()``. It notes what it read, so that ``step()`` can tell whether it changed."""
+    momentum computed out of place (the buffers are not touched), the updates held (the hold
+    policy of :class:`StepValues`), AdamW left for ``step()``. It notes what it read, so that
+    ``step()`` can tell whether it changed."""
 
     def __init__(self, plan: StepPlan, state: dict) -> None:
-        super().__init__(plan, {}, None, {})
+        super().__init__(plan, {}, None, {}, hold=True)
         self.state = state
-        self.held: list[Held] = []
         self.read: dict[int, Read] = {}  # id(param) -> what the inputs were made of
         # id(param) -> its final gradient where that is not param.grad yet: DDP's all-reduced
         # bucket, which DDP copies into param.grad at the end of the backward pass
@@ -197,12 +193,6 @@ class EarlyValues(StepValues):
             for i in indices:
                 self.grads_and_buffers.pop(id(self.plan.works[i].param), None)
 
-    def apply(self, indices: Sequence[int], updates: Sequence[Tensor], norms: Tensor | None = None) -> None:
-        self.held.append((indices, list(updates), norms))
-
-    def overlap(self) -> None:
-        pass  # AdamW runs at step()
-
 
 class Read(NamedTuple):
     """What a Newton–Schulz input was made of."""
@@ -219,15 +209,9 @@ def buffer_mark(buf: Tensor, group: dict[str, Any]) -> tuple:
     return id(buf), buf._version, group["momentum"], group["nesterov"]
 
 
-def _stages_in_turn(strategies: Sequence[PlannedExchange], values: EarlyValues, context: Context) -> Iterator[Bucket]:
-    """The strategies' staged runs one after the other (:meth:`PlannedExchange.stages`)."""
-    for s, strategy in enumerate(strategies):
-        for k in strategy.stages(values, context):
-            yield s, k
-
-
 class _Run:
-    """One backward pass's early run of a step plan.
+    """One backward pass's early run of a step plan: the engine's staged run
+    (:meth:`Engine.stages`), driven by the gradient hooks, its updates held.
 
     Before its first bucket starts, the ranks agree (one all-reduce over ``group``, where the
     plan exchanges anything) whether any of them holds this backward pass back
@@ -235,17 +219,17 @@ class _Run:
     so that every rank issues the run's collectives at the same points of the backward pass
     and ``accumulating()`` can stay local to a rank."""
 
-    def __init__(self, plan: StepPlan, state: dict, context: Context, start_step: Callable[[], None],
-                 stream: Any, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, plan: StepPlan, state: dict, engine: Engine, stream: Any,
+                 group: dist.ProcessGroup | None = None) -> None:
         self.plan = plan
         self.values = EarlyValues(plan, state)
-        self.context, self.start_step, self.stream = context, start_step, stream
+        self.engine, self.stream = engine, stream
         # the ranks that agree on holding a backward pass back: only where the run exchanges
         self.group = group if any(w.process_group is not None for w in plan.works) else None
         self.device = plan.works[0].param.device
-        # the exchange groups' planned exchanges one after the other, as the engine runs them;
-        # a bucket is (the strategy's position, the bucket's), in the order the stages reach them
-        self.stages: Iterator[Bucket] = _stages_in_turn(plan.strategies, self.values, context)
+        # the exchange groups' planned exchanges one after the other, as at step(); a bucket is
+        # (the strategy's position, the bucket's), in the order the stages reach them
+        self.stages: Iterator[Bucket] = engine.stages(plan.strategies, self.values)
         self.order: list[Bucket] = [(s, k) for s, strategy in enumerate(plan.strategies)
                                     for k in range(len(strategy.buckets))]
         self.waiting = self._waiting()
@@ -297,7 +281,7 @@ class _Run:
         # one host read in the backward pass, where early start begins: every rank must know
         # whether to issue the run's collectives
         flag = torch.full((1,), float(held), device=self.device)
-        return all_reduce_max(flag, self.group, self.context.counter).item() > 0
+        return all_reduce_max(flag, self.group, self.engine.counter).item() > 0
 
     def reduced(self, bucket: Reducing, held: bool = False) -> None:
         """DDP started the all-reduce of ``bucket``: the one it started before is final once its
@@ -329,14 +313,13 @@ class _Run:
             self._advance()
         if self.stream is not None:  # the stream of the run's device: not cuda:0's where set_device was never called
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-        stats, counter = self.context.stats, self.context.counter
-        stats.bytes_sent, stats.collectives = counter.bytes_sent, counter.collectives
-        stats.early_buckets = (begun, len(self.order))
+        self.engine.count_traffic()
+        self.engine.stats.early_buckets = (begun, len(self.order))
 
     def _advance(self) -> None:
         if not self.started:
             self.started = True
-            self.start_step()  # the statistics count this run
+            self.engine.start_step()  # the statistics count this run
         if self.stream is None:
             self.next = next(self.stages, None)
             return
@@ -394,7 +377,9 @@ class _Run:
 
 class EarlyStart:
     """An optimizer's early start: the hooks on its Muon parameters and the run of the current
-    backward pass. ``setting``: the ``early_start`` option (None: wherever supported)."""
+    backward pass; DDP's comm hook, once registered (``ddp``) and once the ranks agreed on it
+    (``ddp_agreed``); whether a backward pass is held back (``paused``, inside
+    :meth:`accumulating`). ``setting``: the ``early_start`` option (None: wherever supported)."""
 
     def __init__(self, setting: bool | None) -> None:
         self.setting = setting
@@ -406,18 +391,18 @@ class EarlyStart:
         weakref.finalize(self, _remove, self._hooks)
         self._run: _Run | None = None
         self._stream: Any = None
-        self.ddp: DDPReduction | None = None  # the comm hook of a DDP model, once the ranks agreed on it
-        self.registered_ddp: DDPReduction | None = None  # registered here, until the next step's agreement
+        self.ddp: DDPReduction | None = None  # the comm hook of a DDP model, once registered
+        self.ddp_agreed = False  # every rank registered it (a step's agreement): it hands over its buckets
         self.paused = False  # inside Muon.accumulating(): gradients are not final yet
 
-    def arm(self, plan: StepPlan | None, state: dict, context: Context, start_step: Callable[[], None],
-            compiled: bool, group: dist.ProcessGroup | None = None) -> None:
+    def arm(self, plan: StepPlan | None, state: dict, engine: Engine, compiled: bool,
+            group: dist.ProcessGroup | None = None) -> None:
         """After a step: run ``plan`` early in the next backward pass, where it can; ``group``:
         the optimizer's ranks, which agree before the run's first bucket (:class:`_Run`)."""
         self._run = None
         if self.setting is False or plan is None:
             return
-        why = unsupported_because(plan, compiled, self.ddp)
+        why = unsupported_because(plan, compiled, self.agreed_ddp)
         params = [w.param for w in plan.works]
         if why is None and not wanted(self.setting, params[0].device.type):
             why = ("on CPU it does not pay: the hooks run on the backward pass's own thread, which leaves no idle "
@@ -428,7 +413,8 @@ class EarlyStart:
             return
         # DDP's parameters: its comm hook says when they are final; owner-sharded ones: their sharding
         owned = [owned_by(p) for p in params]
-        hooked = [p for p, o in zip(params, owned) if o is None and (self.ddp is None or id(p) not in self.ddp.params)]
+        ddp = self.agreed_ddp
+        hooked = [p for p, o in zip(params, owned) if o is None and (ddp is None or id(p) not in ddp.params)]
         shardings = {id(o.sharding): o.sharding for o in owned if o is not None}
         if set(self._hooks) != {id(p) for p in hooked} | set(shardings):
             self._remove_hooks()
@@ -438,8 +424,13 @@ class EarlyStart:
             self._hooks.update({key: s.notify_final_gradients(final) for key, s in shardings.items()})
         if params[0].device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(device=params[0].device)
-        self._run = _Run(plan, state, context, start_step, self._stream, group)
+        self._run = _Run(plan, state, engine, self._stream, group)
         self.state = State.ON
+
+    @property
+    def agreed_ddp(self) -> DDPReduction | None:
+        """DDP's comm hook where it hands its buckets over (every rank registered it)."""
+        return self.ddp if self.ddp_agreed else None
 
     @property
     def status(self) -> str:
@@ -452,9 +443,51 @@ class EarlyStart:
 
     def check(self, plan: StepPlan, compiled: bool, ddp_may_follow: bool = False) -> None:
         """With ``early_start=True``: raise if it cannot run ``plan``."""
-        why = unsupported_because(plan, compiled, self.ddp, ddp_may_follow)
+        why = unsupported_because(plan, compiled, self.agreed_ddp, ddp_may_follow)
         if why is not None:
             raise ValueError(f"Invalid early_start=True: {why}. Pass early_start=None (where supported) or False.")
+
+    def register_ddp(self, model: nn.Module, job: dist.ProcessGroup | None, muon: Sequence[MuonParam]) -> None:
+        """:meth:`dmuon.Muon.register_ddp_comm_hook`: checked, then registered; it hands DDP's
+        buckets over once the ranks agree on it (:meth:`use_agreed_ddp`)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"register_ddp_comm_hook needs a DistributedDataParallel model, got "
+                            f"{type(model).__name__}.")
+        theirs = model.process_group
+        if job is not None and dist.get_process_group_ranks(job) != dist.get_process_group_ranks(theirs):
+            raise ValueError(f"The DDP model reduces over ranks {dist.get_process_group_ranks(theirs)}, this "
+                             f"optimizer works over ranks {dist.get_process_group_ranks(job)}: build the optimizer "
+                             "from the DDP model (dmuon.Muon(ddp_model)) or pass its process_group.")
+        if self.ddp is not None:
+            raise ValueError("register_ddp_comm_hook was called before on this optimizer: it serves one DDP model.")
+        in_model = {id(p) for p in model.parameters()}
+        replicated = [m for m in muon if owned_by(m.param) is None]
+        if replicated and not any(id(m.param) in in_model for m in replicated):
+            raise ValueError(f"register_ddp_comm_hook: the DDP model ({type(model.module).__name__}) holds none of "
+                             f"this optimizer's Muon parameters (such as {replicated[0].name!r}): pass the DDP model "
+                             "of the parameters the optimizer steps.")
+        self.ddp = DDPReduction.of(model)  # DDP raises if the model has another comm hook
+
+    def use_agreed_ddp(self) -> bool:
+        """After a step's agreement, which compared whether each rank registered the DDP comm
+        hook: from now on it hands its buckets to this early start (the runs' collectives then
+        match on every rank). Whether this changed anything (the plan then changes too)."""
+        if self.ddp is None or self.ddp_agreed:
+            return False
+        self.ddp.hand_to(self)
+        self.ddp_agreed = True
+        return True
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """:meth:`dmuon.Muon.accumulating`."""
+        previous, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = previous
 
     def _ready(self, p: Tensor) -> None:
         if self._run is not None:

@@ -12,12 +12,11 @@ calls back into it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -27,7 +26,7 @@ from dmuon.exchange import GroupRef, collective_device
 from dmuon.hyperparameters import EngineOptions
 from dmuon.layout import owned_by, owner_shardings
 from dmuon.planner import Plan
-from dmuon.step.early_start import CHANGED, USED, DDPReduction, EarlyStart, unsupported_because, wanted
+from dmuon.step.early_start import CHANGED, USED, EarlyStart, unsupported_because, wanted
 from dmuon.step.elementwise import adamw_steps, update_momentum_of
 from dmuon.step.engine import StepStats
 from dmuon.step.plan import StepPlan, build_engine, steps_here
@@ -136,9 +135,9 @@ class Stepper:
         step is better served by the cost order, which may also split matrices."""
         device = self.device(groups)
         plan = self.planner.step_plan(self.plan, entries, device)
-        ddp = self.early.ddp or self.early.registered_ddp  # (registered here: to be agreed at the step)
+        # a comm hook registered here counts before the step's agreement on it
         if (self.planner.ready_order and self.early.setting is None
-                and unsupported_because(plan, self.compiled, ddp) is not None):
+                and unsupported_because(plan, self.compiled, self.early.ddp) is not None):
             self.planner.ready_order = False
             plan = self.planner.build(plan.key, entries, device)
         return plan
@@ -158,8 +157,9 @@ class Stepper:
             self._fingerprint, self.engine.counter, lambda: param_groups.all_names(groups),
             lambda: run.code(state) if run is not None else USED)
         self.steps_taken += 1
-        if self.early.registered_ddp is not None:
-            self._use_registered_ddp_hook(groups)
+        if self.early.use_agreed_ddp():
+            self.plan = None  # early start's plan, where it can now run
+            self.order_buckets(groups)
         if early == CHANGED:
             self.early.turn_off("the gradients changed between the backward pass and step() (a second backward "
                                 "pass for gradient accumulation, or clipping or unscaling them), so its work was "
@@ -170,7 +170,7 @@ class Stepper:
             self.skipped_steps += 1
         else:
             self._update(groups, state, params, here, left_alone, run, early == USED)
-        self.early.arm(self.plan, state, self.engine.context, self.engine.start_step, self.compiled, self.job())
+        self.early.arm(self.plan, state, self.engine, self.compiled, self.job())
 
     def _update(self, groups: Groups, state: dict, params: list[Tensor], here: list[bool], left_alone: set[int],
                 run: Any, use_run: bool) -> None:
@@ -198,8 +198,7 @@ class Stepper:
         pieces = update_momentum_of(entries, state, self.kernels)
         values = StepValues(plan, pieces, self.kernels, self.update_squares, adamw)
         if run is not None and use_run and run.plan is plan:
-            for held in run.values.held:  # the updates the backward pass computed, on the same inputs
-                values.apply(*held)
+            values.apply_held(run.values)  # the updates the backward pass computed, on the same inputs
             values.overlap()
             return
         if run is not None:
@@ -228,7 +227,7 @@ class Stepper:
     def _fingerprint(self) -> Fingerprint:
         """What a step depends on, as the ranks compare it: the configuration they agreed on
         last, which optimizer this is, the steps it has taken, and the hyperparameters now."""
-        hook = self.early.ddp is not None or self.early.registered_ddp is not None
+        hook = self.early.ddp is not None
         return [("configuration digest", repr(self.structure_words)), ("the optimizer's number", repr(self.number)),
                 ("number of steps taken", repr(self.steps_taken)), *self.checked_settings,
                 ("register_ddp_comm_hook called", repr(hook)),
@@ -249,46 +248,13 @@ class Stepper:
 
     def register_ddp_comm_hook(self, groups: Groups, model: nn.Module) -> None:
         """:meth:`dmuon.Muon.register_ddp_comm_hook`."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"register_ddp_comm_hook needs a DistributedDataParallel model, got "
-                            f"{type(model).__name__}.")
-        ours, theirs = self.job(), model.process_group
-        if ours is not None and dist.get_process_group_ranks(ours) != dist.get_process_group_ranks(theirs):
-            raise ValueError(f"The DDP model reduces over ranks {dist.get_process_group_ranks(theirs)}, this "
-                             f"optimizer works over ranks {dist.get_process_group_ranks(ours)}: build the optimizer "
-                             "from the DDP model (dmuon.Muon(ddp_model)) or pass its process_group.")
-        if self.early.ddp is not None or self.early.registered_ddp is not None:
-            raise ValueError("register_ddp_comm_hook was called before on this optimizer: it serves one DDP model.")
-        in_model = {id(p) for p in model.parameters()}
-        replicated = [m for m in param_groups.muon_params(groups) if owned_by(m.param) is None]
-        if replicated and not any(id(m.param) in in_model for m in replicated):
-            raise ValueError(f"register_ddp_comm_hook: the DDP model ({type(model.module).__name__}) holds none of "
-                             f"this optimizer's Muon parameters (such as {replicated[0].name!r}): pass the DDP model "
-                             "of the parameters the optimizer steps.")
-        self.early.registered_ddp = DDPReduction.of(model)  # DDP raises if the model has another comm hook
+        self.early.register_ddp(model, self.job(), param_groups.muon_params(groups))
         self.plan = None  # the next step's plan: early start's, where it can now run
         self.order_buckets(groups)
 
-    def _use_registered_ddp_hook(self, groups: Groups) -> None:
-        """After a step's agreement, which compared whether each rank registered the DDP comm
-        hook: from now on the hook hands its buckets to early start (the early runs' collectives
-        then match on every rank)."""
-        reduction, self.early.registered_ddp = self.early.registered_ddp, None
-        reduction.hand_to(self.early)
-        self.early.ddp = reduction
-        self.plan = None  # early start's plan, where it can now run
-        self.order_buckets(groups)
-
-    @contextlib.contextmanager
-    def accumulating(self) -> Iterator[None]:
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """:meth:`dmuon.Muon.accumulating`."""
-        previous, self.early.paused = self.early.paused, True
-        try:
-            yield
-        finally:
-            self.early.paused = previous
+        return self.early.accumulating()
 
 
 def init_state(groups: Groups, state: dict, muon: Sequence[param_groups.MuonParam], stepped: set[int]) -> None:

@@ -53,18 +53,27 @@ class _Chunk:
         return values[index]
 
 
+# the updates of some works, held: (their indices, the updates, their norms or None)
+Held = tuple[Sequence[int], list[Tensor], Tensor | None]
+
+
 class StepValues:
     """The values of one step for the engine's strategies (:class:`dmuon.strategies.base.StepIO`): the
     Newton–Schulz inputs from the momentum (computed when asked, a group's at a time), and the
-    updates applied to the parameters, with the update statistics accumulated on the device."""
+    updates applied to the parameters, with the update statistics accumulated on the device.
+
+    ``hold``: the updates are held instead (:attr:`held`), for another step's values to apply
+    (:meth:`apply_held`): early start's run during the backward pass, whose updates wait for
+    ``step()`` to decide whether they may be used."""
 
     def __init__(self, plan: StepPlan, grads_and_buffers: dict[int, tuple[Tensor, Tensor]],
                  kernels: CompiledKernels | None, squares: dict[int, list],
-                 independent: Callable[[], None] | None = None) -> None:
+                 independent: Callable[[], None] | None = None, *, hold: bool = False) -> None:
         self.plan, self.kernels = plan, kernels
         self.grads_and_buffers = grads_and_buffers  # id(param) -> this rank's pieces of them
         self.squares = squares  # id(param group) -> [sum of the update's squares, elements]
         self.independent = independent  # what overlap() runs once
+        self.held: list[Held] | None = [] if hold else None
 
     def overlap(self) -> None:
         independent, self.independent = self.independent, None
@@ -101,7 +110,15 @@ class StepValues:
                 out[k] = value.mT if transposed else value
         return out  # type: ignore[return-value]
 
+    def apply_held(self, other: StepValues) -> None:
+        """Apply the updates ``other`` held, in the order it was handed them."""
+        for held in other.held or ():
+            self.apply(*held)
+
     def apply(self, indices: Sequence[int], updates: Sequence[Tensor], norms: Tensor | None = None) -> None:
+        if self.held is not None:
+            self.held.append((indices, list(updates), norms))
+            return
         for chunk in self._by_group(indices):
             group, ratio = chunk.param_group, chunk.lr_scale
             params = [local(p) for p in chunk.params]

@@ -134,7 +134,10 @@ class Strategy(Protocol):
     indices: list[int]  # its works, by index into the step plan's
 
     def run(self, io: StepIO, ctx: Context) -> None:
-        """Ask ``io`` for the inputs, orthogonalize, and hand ``io`` this rank's updates."""
+        """Ask ``io`` for the inputs, orthogonalize, and hand ``io`` this rank's updates. A
+        strategy that can run bucket by bucket also has ``stages(io, ctx)``, an iterator that
+        yields each bucket's index before it first reads that bucket's inputs (the planned
+        exchange's; :meth:`dmuon.step.engine.Engine.stages` prefers it)."""
 
 
 @dataclass

@@ -4,12 +4,12 @@ start waits on, and that a step's Newton–Schulz time waits for its end event b
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dmuon.step.early_start import _Run
+from dmuon.step.engine import Engine
 from dmuon.strategies.base import StepStats
 
 DEVICE = torch.device("cuda", 1)
@@ -44,7 +44,7 @@ def early_run(stream: FakeStream) -> _Run:
     run = _Run.__new__(_Run)
     run.order, run.next, run.reducing, run.stream, run.started = [], None, None, stream, True
     run.stages = iter(())
-    run.context = SimpleNamespace(stats=StepStats(), counter=SimpleNamespace(bytes_sent=0, collectives=0))
+    run.engine = Engine()
     return run
 
 
