@@ -10,10 +10,10 @@ module's gradients — while the backward pass goes on with earlier layers:
     step()                        finish the run → the ranks agree → apply the updates (or not)
 
 The plan's buckets are cut in the order the backward pass finishes gradients (the model's order
-reversed), and the run is the step plan's own staged run (:meth:`PlannedExchange.stages`; with
-several exchange groups, such as expert stacks beside matrices, one group's after the other's, as
-the engine runs them), so the same calls run on the same values as in a step without early
-start: the same bits.
+reversed), and the run is the engine's staged run of the step plan (:meth:`Engine.stages`; with
+several exchange groups, such as expert stacks beside matrices, one group's after the other's),
+driven by the hooks instead of by ``step()``, so the same calls run on the same values as in a
+step without early start: the same bits.
 
 What runs early changes nothing the user can see: the momentum the Newton–Schulz input needs is
 computed out of place, and the updates are held until ``step()``. There the run is finished
