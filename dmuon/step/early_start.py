@@ -87,6 +87,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from dmuon.exchange import all_reduce_max, start_all_reduce_sum
 from dmuon.layout import owned_by
 from dmuon.param_groups import MuonParam
+from dmuon.step.elementwise import momentum_out_of_place
 from dmuon.step.engine import Bucket, Engine
 from dmuon.step.plan import StepPlan
 from dmuon.step.values import StepValues
@@ -181,7 +182,7 @@ class EarlyValues(StepValues):
             # in, and step() finds the missing gradient and does not use the run
             finals = [self.final_grads.get(id(p), p.grad) for p in params]
             grads = [local(g) if g is not None else torch.zeros_like(b) for g, b in zip(finals, bufs)]
-            moved = torch._foreach_lerp(bufs, grads, 1 - group["momentum"])  # the step's lerp_, out of place
+            moved = momentum_out_of_place(bufs, grads, group["momentum"])
             for p, final, g, b, m in zip(params, finals, grads, bufs, moved):
                 self.grads_and_buffers[id(p)] = (g, m)
                 mark, buffer_digest = buffer_mark(b, group), digest(b)

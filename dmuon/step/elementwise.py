@@ -71,6 +71,12 @@ def update_momentum_all(bufs: list[Tensor], grads: list[Tensor], momentum: float
     torch._foreach_lerp_(bufs, grads, 1 - momentum)
 
 
+def momentum_out_of_place(bufs: list[Tensor], grads: list[Tensor], momentum: float) -> list[Tensor]:
+    """What :func:`update_momentum_all` would leave in the buffers (the same bits), in new
+    tensors: early start's, which must not touch the buffers before ``step()``."""
+    return list(torch._foreach_lerp(bufs, grads, 1 - momentum))
+
+
 def nesterov_inputs_all(grads: list[Tensor], bufs: list[Tensor], momentum: float) -> list[Tensor]:
     """:func:`nesterov_input` of every pair."""
     return list(torch._foreach_lerp(grads, bufs, momentum))
