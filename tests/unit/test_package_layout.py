@@ -135,3 +135,17 @@ def test_every_collective_of_the_product_is_in_exchange_py():
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} dist.{node.func.attr}")
     assert offenders == []
+
+
+def test_no_product_class_over_250_lines_nor_function_over_80():
+    """The house's size limits (the tools aside): a class a newcomer reads in one sitting, a
+    function that fits on a screen or two."""
+    too_long = []
+    for path in sorted((ROOT / "dmuon").rglob("*.py")):
+        if "tools" in path.relative_to(ROOT / "dmuon").parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = 250 if isinstance(node, ast.ClassDef) else 80 if isinstance(node, ast.FunctionDef) else None
+            if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+                too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert too_long == []
