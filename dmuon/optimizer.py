@@ -134,6 +134,7 @@ class Muon(torch.optim.Optimizer):
         )
         options = EngineOptions(comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products, compile,
                                 cuda_graphs, early_start)
+        # sets _stepper (the step's owner), _job and _process_group (the agreement's and the replicas' groups)
         entry_points.construct(self, params, defaults, options, process_group, use_addmm)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
