@@ -34,6 +34,7 @@ import json
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -227,34 +228,35 @@ def record_number(process_group: dist.ProcessGroup, number: int) -> None:
     _NUMBERS[process_group.group_name] = number
 
 
-def agree_on_step(prepare: Callable[[], tuple[list[Tensor], list[bool], list[bool]]], policy: str,
-                  process_group: dist.ProcessGroup | None, device: Callable[[], torch.device],
-                  fingerprint: Callable[[], Fingerprint], counter: CommCounter, names: Callable[[], list[str]],
-                  early: Callable[[], int] = lambda: 0) -> tuple[list[Tensor], list[bool], set[int] | None, int]:
-    """The agreement of a step. ``prepare`` is this rank's part before it (its checks of its
-    settings and gradients); it returns every parameter of the optimizer, in group order,
-    whether this rank steps each (owner sharding: only the owner does), and whether each is a
-    replica every rank holds whole (a plain-tensor Muon parameter under torch.distributed).
-    ``early`` gives this rank's early-start code after it (:attr:`Agreed.early`). Returns the
-    parameters, whether this rank steps each, which parameters to leave alone, by position, or
-    None to skip the whole step, and the agreed early-start code (at least 1 where ranks lack
-    different gradients).
+class PreparedStep(NamedTuple):
+    """This rank's part of a step before the agreement (its checks of its settings and gradients)."""
+
+    params: list[Tensor]  # every parameter of the optimizer, in group order
+    here: list[bool]  # whether this rank steps each (owner sharding: only the owner does)
+    replicas: list[bool]  # whether each is a replica every rank holds whole (a plain-tensor Muon parameter)
+    early: int  # this rank's early-start code (:attr:`Agreed.early`)
+
+
+def agree_on_step(prepared: PreparedStep | Exception, policy: str, process_group: dist.ProcessGroup | None,
+                  device: Callable[[], torch.device], fingerprint: Fingerprint, counter: CommCounter,
+                  names: Callable[[], list[str]]) -> tuple[list[Tensor], list[bool], set[int] | None, int]:
+    """The agreement of a step: ``prepared`` is this rank's part, or the exception it raised
+    (shared with the other ranks, which raise too); ``fingerprint``, what the step depends on.
+    Returns the parameters, whether this rank steps each, which parameters to leave alone, by
+    position, or None to skip the whole step, and the agreed early-start code (at least 1 where
+    ranks lack different gradients). ``device`` and ``names`` are asked only where needed.
 
     Every rank takes the same decisions (or the collectives would not match): the step is
     skipped if any rank saw a non-finite gradient (``policy`` "skip"; "raise" raises on every
     rank; "ignore" checks nothing), and a parameter is stepped only if every rank that steps it
-    has its gradient. A failure of ``prepare``, a sparse gradient and replicas whose gradients
+    has its gradient. A failure of this rank's part, a sparse gradient and replicas whose gradients
     differ between ranks raise on every rank at once. The flags stay on the device until the
     header's all-reduce: reading it is the step's one host synchronization (on CUDA; none
     follows unless some rank flagged a gradient, ranks lack different gradients or replicas
     differ).
     """
-    error, params, here, replicas, code = None, [], [], [], 1
-    try:
-        params, here, replicas = prepare()
-        code = early()
-    except Exception as err:  # noqa: BLE001 - shared with the other ranks below
-        error = err
+    error = prepared if isinstance(prepared, Exception) else None
+    params, here, replicas, code = PreparedStep([], [], [], 1) if error is not None else prepared
     checked = [i for i, p in enumerate(params) if here[i] and p.grad is not None]
     missing = [i for i, p in enumerate(params) if here[i] and p.grad is None]
     grads = [local(params[i].grad) for i in checked]

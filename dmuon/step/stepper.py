@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dmuon import param_groups
-from dmuon.agreement import Fingerprint, agree_on_step, digest_words
+from dmuon.agreement import Fingerprint, PreparedStep, agree_on_step, digest_words
 from dmuon.exchange import GroupRef, collective_device
 from dmuon.hyperparameters import EngineOptions
 from dmuon.layout import owned_by, owner_shardings
@@ -150,12 +150,15 @@ class Stepper:
         if run is None:
             self.engine.start_step()
         self.update_squares = {}
-        # a rank without a run has nothing of its own to redo: where ranks' plans differ (owner
-        # sharding, a rank that steps nothing) they exchange nothing; elsewhere none has a run
+        try:
+            prepared: PreparedStep | Exception = self._prepare(groups, state, run)
+        except Exception as err:  # noqa: BLE001 - shared with the other ranks in the agreement, which raise too
+            prepared = err
+        job = self.job()
         params, here, left_alone, early = agree_on_step(
-            partial(self._prepare, groups), nonfinite_grads, self.job(), partial(self.device, groups),
-            self._fingerprint, self.engine.counter, lambda: param_groups.all_names(groups),
-            lambda: run.code(state) if run is not None else USED)
+            prepared, nonfinite_grads, job, partial(collective_device, groups, job),
+            self._fingerprint() if job is not None else [], self.engine.counter,
+            partial(param_groups.all_names, groups))
         self.steps_taken += 1
         if self.early.use_agreed_ddp():
             self.plan = None  # early start's plan, where it can now run
@@ -205,12 +208,14 @@ class Stepper:
             self.engine.start_step()  # the statistics count this step's run, not the unused one
         self.engine.run(plan.strategies, values)
 
-    def _prepare(self, groups: Groups) -> tuple[list[Tensor], list[bool], list[bool]]:
+    def _prepare(self, groups: Groups, state: dict, run: Any) -> PreparedStep:
         """This rank's part of a step before the ranks agree: the parameters (those the model
         replaced on leaving the meta device taken from it), whether this rank steps each and
         whether each is a replica every rank holds whole (a plain-tensor Muon parameter), the
-        owner shardings' gradients, and the hyperparameters changed since they were last
-        checked, checked as the constructor checks them."""
+        owner shardings' gradients, the hyperparameters changed since they were last checked,
+        checked as the constructor checks them, and whether early start's ``run`` can be used.
+        A rank without a run has nothing of its own to redo: where ranks' plans differ (owner
+        sharding, a rank that steps nothing) they exchange nothing; elsewhere none has a run."""
         param_groups.follow_meta_parameters(groups, self.model())
         params = [p for group in groups for p in group["params"]]
         replicas = [algorithm == "muon" and not isinstance(p, DTensor) and owned_by(p) is None
@@ -222,7 +227,7 @@ class Stepper:
         if now != self.checked_settings:
             param_groups.validate_groups(groups)
             self.checked_settings = now
-        return params, here, replicas
+        return PreparedStep(params, here, replicas, run.code(state) if run is not None else USED)
 
     def _fingerprint(self) -> Fingerprint:
         """What a step depends on, as the ranks compare it: the configuration they agreed on
