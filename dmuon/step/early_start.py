@@ -42,7 +42,7 @@ run's own stream fills the backward pass's idle time, and off on CPU, where the 
 backward pass's own thread and there is no idle time to fill (no gain beyond the noise was
 measured, and the held updates cost memory). It does not pay on small models whose step is bound
 by kernel launches: pass ``early_start=False`` there. ``True`` forces it. The measurements behind
-these defaults are in BENCHMARKS.md, "Early start: Newton–Schulz in the backward pass".
+these defaults are in docs/options.md ("Early start").
 
 DDP: a parameter's gradient is final only once DDP's all-reduce of its bucket is done, after
 its post-accumulate-grad hook. ``Muon.register_ddp_comm_hook(model)`` registers dmuon's comm hook
@@ -114,6 +114,7 @@ class State(Enum):
     PENDING = "not yet: it starts after the first step"
     ON = "on"
     OFF = "off"  # where it cannot run or does not pay, or turned off: the reason goes with it
+
 
 # a DDP bucket being all-reduced: (its parameters, their gradients in it, the all-reduce's future)
 Reducing = tuple[list[Tensor], list[Tensor], torch.futures.Future]
