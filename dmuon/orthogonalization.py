@@ -87,8 +87,8 @@ _MEASURED_GRAM_RESTARTS: dict[tuple[str, int], tuple[int, ...]] = {
 # `method="auto"` picks Gram NS from this aspect ratio max(m, n)/min(m, n) on, by device type.
 # CUDA: the FLOP ratio and GPU timings from outside the project (Gram 20–26 % slower when square,
 # 0.67× at α = 4; docs/numerics.md §Compute dtype and method choice); CPU: measured with
-# `dmuon.newton_schulz` in fp32 on a 2-core AMD EPYC (BENCHMARKS.md, "Newton–Schulz: standard vs
-# Gram on CPU").
+# `dmuon.newton_schulz` in fp32 on a 2-core AMD EPYC (`python benchmarks/newton_schulz_methods.py`;
+# the figures in docs/numerics.md).
 # bf16 always runs standard NS (Gram NS is unstable in bf16).
 GRAM_MIN_ASPECT: dict[str, float] = {"cuda": 2.0, "cpu": 2.0}
 
@@ -224,7 +224,7 @@ def _cpu_bf16_native() -> bool:
 
 def native_bf16(device_type: str) -> bool:
     """Whether bf16 products run natively on ``device_type``: CUDA, or a CPU with AVX512-BF16 or
-    AMX. Other CPUs emulate them at about a tenth of their fp32 rate (BENCHMARKS.md)."""
+    AMX. Other CPUs emulate them at about a tenth of their fp32 rate (docs/options.md, ``ns_dtype``)."""
     return device_type == "cuda" or (device_type == "cpu" and _cpu_bf16_native())
 
 
@@ -527,7 +527,7 @@ def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
 # whole stack three times (X·Xᵀ, the polynomial, its product with X): a stack larger than the
 # cache goes to memory on every sweep. Chunks whose working set (X, X·Xᵀ, the polynomial, the
 # new X) stays within this many bytes keep it in cache: 10–20 % faster for stacks of 16 matrices
-# of 512×512 or 512×1536 in bf16 (BENCHMARKS.md, "Newton–Schulz in chunks on CPU").
+# of 512×512 or 512×1536 in bf16 (`python benchmarks/kernel_choices.py` measures chunked and whole).
 # A chunk holds at least two matrices, so that no chunk runs a matrix alone where the whole stack
 # would not: lone and stacked matrices were compared bit for bit only for the shapes of
 # benchmarks/stack_bits.py (equal there; small products are padded, see ONEDNN_MIN_WORK).
@@ -595,7 +595,7 @@ def _transposed(X: Tensor) -> Tensor:
     input (the first step's, and Gram NS's restarts): where strided operands slow those, it pays,
     and a 2-D copy takes torch's blocked transpose where a batched one is slower. On some CPUs
     strided operands cost nothing and the copy is a small loss (``benchmarks/kernel_choices.py``
-    measures both; BENCHMARKS.md). CUDA's products read strided operands at full speed: there it
+    measures both). CUDA's products read strided operands at full speed: there it
     stays a view."""
     if X.device.type != "cpu":
         return X.mT

@@ -116,7 +116,7 @@ _DATASHEET_EFFICIENCY = 790 / 989
 # A typical forward+backward utilization of dense LLM training on these GPUs (an assumption;
 # override it per run).
 DEFAULT_GPU_MFU = 0.4
-# Early start's capacity on GPUs, from one measurement (BENCHMARKS.md, "Early start"): on an H200,
+# Early start's capacity on GPUs, from one measurement (docs/options.md, "Early start"): on an H200,
 # one process, a 4-layer Llama-3.2-3B, early start hid 11–23 ms of a 57–70 ms optimizer overhead
 # in a backward pass of about 283 ms: 4–8 % of it. An assumption elsewhere; override it per profile.
 BACKWARD_IDLE_FRACTION = 0.06
