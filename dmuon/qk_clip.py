@@ -378,8 +378,9 @@ _NONFINITE, _BAD_RECORD = 1.0, 2.0  # per-layer problem codes in the all-reduced
 
 def recordable_attention(model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, nn.Module], nn.Module]:
     """The attention modules of ``model`` that :func:`attention_layer_of` recognises, by module
-    path: those with dmuon's ``qk_logits_hook``, the others (recorded through a Hugging Face
-    model's attention registry), and the model inside its DDP wrapper.
+    path in the model's order, and of those the ones without dmuon's ``qk_logits_hook``
+    (recorded through a Hugging Face model's attention registry); then the model inside its DDP
+    wrapper.
 
     Raises:
         ValueError: none is recognised, the others' logits cannot be recorded, or another
@@ -402,7 +403,7 @@ def recordable_attention(model: nn.Module) -> tuple[dict[str, nn.Module], dict[s
     if taken:
         raise ValueError(f"Another QKClip records the max logits of {taken[0]!r} already: remove() it first "
                          "(one QKClip per model).")
-    return hooked, others, inner
+    return modules, others, inner
 
 
 def check_settings(threshold: Any, alpha: Any, layers: Mapping[str, Any]) -> None:
@@ -534,10 +535,10 @@ class QKClip:
         :func:`recordable_attention` finds, by module path, recording their max logits itself
         (dmuon's model through its hook; a Hugging Face model through its attention registry,
         with the mask its implementation builds). Raises as :func:`recordable_attention` does."""
-        hooked, others, inner = recordable_attention(model)
-        modules = {**hooked, **others}
+        modules, others, inner = recordable_attention(model)
         clip = cls(optimizer, {name: attention_layer_of(m) for name, m in modules.items()}, threshold=threshold,
                    alpha=alpha, process_group=process_group, model=model)
+        hooked = {name: m for name, m in modules.items() if name not in others}  # dmuon's: its own hook
         for name, module in hooked.items():
             module.qk_logits_hook = clip._logits_recorder(name)
             clip._undo.append(partial(setattr, module, "qk_logits_hook", None))

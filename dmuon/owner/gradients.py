@@ -44,7 +44,8 @@ class GradientReduction:
                  ownership: Ownership, groups: Groups, rest: list[nn.Parameter] | None) -> None:
         self.model, self.layers, self.params, self.rest = model, layers, params, rest
         self.ownership, self.groups = ownership, groups
-        self.size = dist.get_world_size(groups.shard) if groups.shard is not None else 1
+        # every rank's gradient is summed: the average divides by all of them, shards × replicas
+        self.ranks = (dist.get_world_size(groups.shard) if groups.shard is not None else 1) * groups.replicas
         self.state = TrainingState.IDLE
         self.reduce_gradients = True
         self._averaged: dict[int, Tensor] = {}  # an owner's averaged gradients, by id of the parameter
@@ -167,10 +168,9 @@ class GradientReduction:
                 self._layer_backward_done(layer)
         self._finish_reduces(self._reduces)
         self._restore_set_aside()
-        everyone = self.size * self.groups.replicas
         for p, work in self._rest_reduces:
             work.wait()
-            p.grad.div_(everyone)
+            p.grad.div_(self.ranks)
         self._reduces, self._rest_reduces = [], []
         self._layers_done, self._rest_ready = 0, set()
         self._backward_open = False
@@ -196,13 +196,12 @@ class GradientReduction:
                 reduce = self.ownership.reduce(reduce.members, self.ownership.owner_of[id(reduce.members[0])],
                                                self.groups.replica, reduce.flat)
             gathered.append(reduce)
-        everyone = self.size * self.groups.replicas
         final: list[nn.Parameter] = []
         for reduce in gathered:
             if reduce.work is not None:
                 reduce.work.wait()
             if self.ownership.is_mine(reduce.members[0]):
-                reduce.flat.div_(everyone)
+                reduce.flat.div_(self.ranks)
                 for p, piece in zip(reduce.members, reduce.flat.split([p.numel() for p in reduce.members])):
                     earlier = self._set_aside.pop(id(p), None)
                     p.grad = piece.view_as(p) if earlier is None else earlier.add_(piece.view_as(p))

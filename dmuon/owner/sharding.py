@@ -63,7 +63,6 @@ class OwnerSharding:
     ) -> None:
         self.model = model
         self.groups = groups
-        self.size = dist.get_world_size(groups.shard) if groups.shard is not None else 1
         self.reshard_after_forward = reshard_after_forward
         self.params = [p for _, p in named_params]
         self.ownership = Ownership(dist.get_rank() if dist.is_initialized() else 0,

@@ -100,8 +100,13 @@ class Stepper:
         """After an entry point the ranks agreed on: what later steps compare."""
         self.structure_words = digest_words(fingerprint)
         self.checked_settings = param_groups.settings(groups)
+        self.replan(groups)  # the parameters may have changed: early start may run again
+
+    def replan(self, groups: Groups) -> None:
+        """The next step plans again, its bucket order chosen again: the parameters, or whether
+        early start can run, may have changed."""
         self.plan = None
-        self.order_buckets(groups)  # the parameters may have changed: early start may run again
+        self.order_buckets(groups)
 
     def order_buckets(self, groups: Groups) -> None:
         """Where early start may run, the plan's buckets follow the backward pass (the model's
@@ -161,8 +166,7 @@ class Stepper:
             partial(param_groups.all_names, groups))
         self.steps_taken += 1
         if self.early.use_agreed_ddp():
-            self.plan = None  # early start's plan, where it can now run
-            self.order_buckets(groups)
+            self.replan(groups)  # early start's plan, where it can now run
         if early == CHANGED:
             self.early.turn_off("the gradients changed between the backward pass and step() (a second backward "
                                 "pass for gradient accumulation, or clipping or unscaling them), so its work was "
@@ -173,7 +177,7 @@ class Stepper:
             self.skipped_steps += 1
         else:
             self._update(groups, state, params, here, left_alone, run, early == USED)
-        self.early.arm(self.plan, state, self.engine, self.compiled, self.job())
+        self.early.arm(self.plan, state, self.engine, self.compiled, job)
 
     def _update(self, groups: Groups, state: dict, params: list[Tensor], here: list[bool], left_alone: set[int],
                 run: Any, use_run: bool) -> None:
@@ -254,8 +258,7 @@ class Stepper:
     def register_ddp_comm_hook(self, groups: Groups, model: nn.Module) -> None:
         """:meth:`dmuon.Muon.register_ddp_comm_hook`."""
         self.early.register_ddp(model, self.job(), param_groups.muon_params(groups))
-        self.plan = None  # the next step's plan: early start's, where it can now run
-        self.order_buckets(groups)
+        self.replan(groups)  # the next step's plan: early start's, where it can now run
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """:meth:`dmuon.Muon.accumulating`."""
