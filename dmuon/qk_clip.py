@@ -17,8 +17,10 @@ their public attention-function and attention-mask registries (the mask the mode
 implementation gets, so that eager attention stays causal), with no change to the model's
 outputs. Records are taken only while autograd is on (a training forward), and their maximum is
 kept over micro-batches. They belong to the step whose gradients they came with: a record
-counts once the backward pass reaches its forward pass's queries, and a skipped or failed step,
-:meth:`QKClip.discard` and a dmuon ``Muon``'s ``zero_grad()`` drop what was recorded.
+counts once the backward pass reaches its forward pass's queries; a step takes the records
+counted by the time it reads the gradients (with ``step(closure)``, as Lightning steps: after
+the closure's backward pass), and a skipped or failed step, :meth:`QKClip.discard` and a dmuon
+``Muon``'s ``zero_grad()`` drop what was recorded.
 
 **Exact in every layout.** After the step, one all-reduce (max) over the job turns each rank's
 records into the job's: data-parallel ranks saw other batches, tensor-parallel ranks other
@@ -470,7 +472,8 @@ class QKClip:
     **Records belong to the step whose gradients they came with.** A record taken with its
     forward pass's ``query`` (as :meth:`for_model`'s are) counts once the backward pass reaches
     that query (a forward pass whose backward never ran adds nothing); one without, at once. The
-    next ``step()`` uses them, or drops them where it skipped the step or raised, as do
+    next ``step()`` uses them (those of its closure too, where it runs one), or drops them where
+    it skipped the step or raised, as do
     :meth:`discard` and a dmuon ``Muon``'s ``zero_grad()`` (the gradients they came with are
     gone). With another optimizer, call :meth:`discard` where the loop skips a step.
 
@@ -649,9 +652,29 @@ class QKClip:
 
     # ------------------------------------------------------------ after the step
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict[str, Any]
+                     ) -> tuple[tuple, dict[str, Any]] | None:
+        """Take the records the step's gradients came with (a step that raises takes them with
+        it): those taken so far, or, where the step runs a closure (Lightning's, torch's
+        ``step(closure)``), those taken once the closure's forward and backward passes ran; the
+        closure is wrapped to that end (``args[0]`` is the optimizer)."""
         self._skipped_before = getattr(optimizer, "skipped_steps", 0)
-        self._taken = self._take()  # a step that raises takes them with it
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._taken = self._take()
+            return None
+        self._taken = None
+
+        def take_after(closure: Callable[[], Any]) -> Any:
+            try:
+                return closure()
+            finally:
+                self._taken = self._take()
+
+        wrapped = partial(take_after, closure)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         skipped = getattr(optimizer, "skipped_steps", 0) != self._skipped_before

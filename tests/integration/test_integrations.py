@@ -335,3 +335,65 @@ def test_lightning_configure_optimizers_steps_and_resumes(tmp_path):
     assert resumed_trainer.global_step == 3
     assert_state_equal(params_of(resumed.model), trained)
     assert_state_equal(resumed_trainer.optimizers[0].state_dict(), optimizer.state_dict())
+
+
+QK_TAU = 0.01  # under the tiny model's logits: the clip works at every step
+
+
+class _Wrapped(nn.Module):
+    """The tiny Llama under the attribute Lightning's module gives it, so that both runs route alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Llama(CONFIG)
+
+
+def lightning_clipped(lightning: ModuleType, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """``steps`` Lightning steps (a closure each) with QK-clip; the weights and heads clipped per step."""
+    clipped = []
+
+    class ClippedLlama(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Llama(CONFIG)
+
+        def training_step(self, batch, batch_index):
+            return self.model.loss(*batch)
+
+        def on_train_batch_end(self, outputs, batch, batch_index):
+            clipped.append(self.clip.statistics()["qk_clip/heads_clipped"])
+
+        def configure_optimizers(self):
+            optimizer = dmuon.Muon(self, lr=1e-2)
+            self.clip = dmuon.QKClip.for_model(optimizer, self.model, threshold=QK_TAU)
+            return optimizer
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*the_batch()), batch_size=BATCH)
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    module = ClippedLlama()
+    trainer.fit(module, loader)
+    return params_of(module.model), clipped
+
+
+def test_qk_clip_under_lightning_clips_each_step_with_that_step_s_logits():
+    """Lightning steps through a closure: the clip must use the closure's records, so the run
+    equals a loop without closure bitwise, and no step is left unclipped."""
+    import warnings
+
+    lightning = require("lightning.pytorch")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="QKClip")
+        trained, clipped = lightning_clipped(lightning, steps=3)
+    wrapped = _Wrapped()
+    optimizer = dmuon.Muon(wrapped, lr=1e-2)
+    clip = dmuon.QKClip.for_model(optimizer, wrapped.model, threshold=QK_TAU)
+    loop_clipped = []
+    for _ in range(3):
+        loss = wrapped.model.loss(*the_batch())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        loop_clipped.append(clip.statistics()["qk_clip/heads_clipped"])
+    assert all(c > 0 for c in loop_clipped) and clipped == loop_clipped
+    assert_state_equal(trained, params_of(wrapped.model))

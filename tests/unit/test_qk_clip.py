@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -348,7 +349,9 @@ def clipped_run(events: list[tuple[str, int]], optimizer: str = "dmuon") -> dict
     zero_grad(); ("fail backward", seed) and ("fail forward", seed) an exception in the backward
     pass (after the last layer's) or in the forward pass (after the first layer), caught, then
     zero_grad(); ("step raises", seed) a step that raises; ("zero_grad late", seed) a batch whose
-    zero_grad() comes between its forward and backward passes. lr 0: only the clip moves weights."""
+    zero_grad() comes between its forward and backward passes; ("closure", seed) a batch run by
+    ``step(closure)`` (forward, zero_grad(), backward: Lightning's order); ("closure raises",
+    seed) such a step that raises after its closure. lr 0: only the clip moves weights."""
     model, _, _ = llama_and_batch()
     with torch.no_grad():
         for layer in model.layers:
@@ -376,6 +379,22 @@ def clipped_run(events: list[tuple[str, int]], optimizer: str = "dmuon") -> dict
     for kind, seed in events:
         x, y = data.batch(seed, 4, 32)
         failing[:] = [kind.removeprefix("fail ")] if kind.startswith("fail") else []
+        if kind.startswith("closure"):
+            def closure(x=x, y=y, raises=kind == "closure raises"):
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                opt.zero_grad()
+                loss.backward()
+                if raises:
+                    model.lm_head.weight.grad[0, 0] = math.nan
+                return loss
+
+            if kind == "closure raises":
+                with pytest.raises(FloatingPointError):
+                    opt.step(closure)
+                opt.zero_grad()
+            else:
+                opt.step(closure)
+            continue
         try:
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             if kind == "zero_grad late":
@@ -418,6 +437,28 @@ def test_records_of_a_skipped_or_failed_batch_are_never_applied(before, optimize
     # the batch left out has logits of its own: applied, its records would have changed the result
     both = clipped_run([("step", 1), ("step", 2)], optimizer)
     assert any(not torch.equal(both["params"][n], v) for n, v in alone["params"].items())
+
+
+@pytest.mark.parametrize("optimizer", ["dmuon", "sgd"])
+def test_a_step_with_a_closure_clips_with_the_closure_s_logits(optimizer):
+    """The records of the closure's forward and backward passes are the step's: the same bits as
+    the loop without a closure (the clip took the step before's records, or none, before)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "no rank recorded" would mean the clip missed the closure's records
+        closures = clipped_run([("closure", 1), ("closure", 2)], optimizer)
+    loop = clipped_run([("step", 1), ("step", 2)], optimizer)
+    assert loop["statistics"]["qk_clip/heads_clipped"] > 0
+    assert closures["statistics"] == loop["statistics"]
+    for name, value in loop["params"].items():
+        assert torch.equal(closures["params"][name], value), name
+
+
+def test_a_step_that_raises_after_its_closure_applies_none_of_the_closure_s_records():
+    after = clipped_run([("closure raises", 1), ("closure", 2)])
+    alone = clipped_run([("step", 2)])
+    assert after["statistics"] == alone["statistics"]
+    for name, value in alone["params"].items():
+        assert torch.equal(after["params"][name], value), name
 
 
 def test_a_zero_grad_between_forward_and_backward_keeps_the_batch_records():
