@@ -12,7 +12,9 @@ their logits, and each query head its own, so every head's logit still ends ≤ 
 from q and k: one extra q·kᵀ product per layer, in chunks (about half the matmul FLOPs of the
 attention itself, never the full score matrix at once). :meth:`QKClip.for_model` finds the
 attention modules it knows (Hugging Face Llama-like ``q_proj``/``k_proj`` and GPT-2 ``c_attn``
-modules, and dmuon's own test model) and records for them: for Hugging Face models through
+modules, and dmuon's own test model; under tensor parallel, where each module counts its own
+rank's heads, the layer's global counts from its DTensor weights' rows, and each rank's records
+in the slots of the heads it holds) and records for them: for Hugging Face models through
 their public attention-function and attention-mask registries (the mask the model's own
 implementation gets, so that eager attention stays causal), with no change to the model's
 outputs. Records are taken only while autograd is on (a training forward), and their maximum is
@@ -53,7 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.agreement import agree
 from dmuon.exchange import GroupRef, all_reduce_max, collective_device, job_group
-from dmuon.layout import owned_by, piece_of
+from dmuon.layout import owned_by, piece_index_lists, piece_of
 
 SCORES_PER_CHUNK = 1 << 24  # max_logits holds at most this many fp32 scores at a time (64 MiB)
 HF_ATTENTION = "dmuon_qk_logits"  # the prefix of the names max-logit recording registers in transformers
@@ -247,17 +249,48 @@ def _attention_heads(module: nn.Module) -> tuple[int | None, int | None, int | N
     return heads, first("num_key_value_heads", "n_kv_heads") or heads, first("head_dim")
 
 
+def tensor_parallel_degree(q_weight: Tensor, k_weight: Tensor, heads: int, kv_heads: int, head_dim: int) -> int:
+    """How many ranks' heads a module's weights hold where the module counts one rank's: 1 where
+    its head counts cover the weights' rows; f where the weights are DTensors (tensor parallel)
+    with f times the rows of the module's query and key heads — the module then counts the heads
+    of one tensor-parallel rank (torchtitan, Hugging Face tensor-parallel plans), and the
+    layer's global counts are f times its own."""
+    q_rows, k_rows = heads * head_dim, kv_heads * head_dim
+    if not isinstance(q_weight, DTensor) or q_weight.shape[0] == q_rows or q_weight.shape[0] % q_rows:
+        return 1
+    degree = q_weight.shape[0] // q_rows
+    return degree if k_weight.shape[0] == degree * k_rows else 1
+
+
+def rows_held(weight: Tensor, out_dim: int) -> Tensor | None:
+    """The output rows of ``weight`` this rank holds, as global indices (None: all of them)."""
+    return piece_index_lists(weight)[out_dim] if isinstance(weight, DTensor) else None
+
+
+def heads_of_rows(rows: Tensor | None, offset: int, head_dim: int, count: int) -> slice | None:
+    """The ``count`` consecutive heads of ``head_dim`` rows from ``offset`` that ``rows`` (global
+    row indices, in order) are, or None where they are not such heads."""
+    if rows is None or rows.numel() != count * head_dim or count == 0:
+        return None
+    first = int(rows[0]) - offset
+    if first % head_dim or not torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + rows.numel())):
+        return None
+    return slice(first // head_dim, first // head_dim + count)
+
+
 def attention_layer_of(module: nn.Module) -> AttentionLayer | None:
     """The :class:`AttentionLayer` of a module this file recognises, else None: separate
-    ``q_proj``/``k_proj`` linears (Hugging Face Llama, Mistral, Qwen…; dmuon's test model) or a
-    GPT-2 ``c_attn`` (a ``Conv1D`` of queries, keys and values side by side along dim 1)."""
+    ``q_proj``/``k_proj`` linears (Hugging Face Llama, Mistral, Qwen…; dmuon's test model; under
+    tensor parallel with global head counts, :func:`tensor_parallel_degree`) or a GPT-2
+    ``c_attn`` (a ``Conv1D`` of queries, keys and values side by side along dim 1)."""
     heads, kv_heads, head_dim = _attention_heads(module)
     if heads is None or head_dim is None:
         return None
     q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
     if isinstance(getattr(q, "weight", None), Tensor) and isinstance(getattr(k, "weight", None), Tensor):
-        return AttentionLayer(q.weight, k.weight, heads, head_dim, kv_heads, q_bias=getattr(q, "bias", None),
-                              k_bias=getattr(k, "bias", None))
+        degree = tensor_parallel_degree(q.weight, k.weight, heads, kv_heads or heads, head_dim)
+        return AttentionLayer(q.weight, k.weight, heads * degree, head_dim, (kv_heads or heads) * degree,
+                              q_bias=getattr(q, "bias", None), k_bias=getattr(k, "bias", None))
     fused, split = getattr(module, "c_attn", None), getattr(module, "split_size", None)
     if isinstance(getattr(fused, "weight", None), Tensor) and isinstance(split, int):
         return AttentionLayer(fused.weight, fused.weight, heads, head_dim, kv_heads, q_offset=0, k_offset=split,
@@ -293,7 +326,7 @@ def _registered_name(inner: str) -> str:
 
 
 def _record_through_transformers(model: nn.Module, modules: dict[str, nn.Module],
-                                 recorder: Callable[[str], Callable[..., None]]) -> Callable[[], None]:
+                                 recorder: Callable[[str, nn.Module], Callable[..., None]]) -> Callable[[], None]:
     """Route a transformers model's attention through :func:`_recording_attention` (its public
     ``AttentionInterface``, ``AttentionMaskInterface`` and ``set_attn_implementation``), with the
     attention mask of the implementation it had; return what undoes it."""
@@ -312,7 +345,7 @@ def _record_through_transformers(model: nn.Module, modules: dict[str, nn.Module]
         # the model file's own eager function: eager is not in the registry
         source = importlib.import_module(type(module).__module__)
         module._dmuon_eager_attention = getattr(source, "eager_attention_forward", None)
-        module._dmuon_qk_recorder = recorder(module_name)
+        module._dmuon_qk_recorder = recorder(module_name, module)
     model.set_attn_implementation(name)
 
     def undo() -> None:
@@ -543,7 +576,7 @@ class QKClip:
                    alpha=alpha, process_group=process_group, model=model)
         hooked = {name: m for name, m in modules.items() if name not in others}  # dmuon's: its own hook
         for name, module in hooked.items():
-            module.qk_logits_hook = clip._logits_recorder(name)
+            module.qk_logits_hook = clip._logits_recorder(name, module)
             clip._undo.append(partial(setattr, module, "qk_logits_hook", None))
         if others:
             clip._undo.append(_record_through_transformers(inner, others, clip._logits_recorder))
@@ -628,16 +661,28 @@ class QKClip:
     def _commit_at_backward(self, rows: slice, values: Tensor, grad: Tensor) -> None:
         self._commit(rows, values)
 
-    def _logits_recorder(self, name: str) -> Callable[..., None]:
+    def _logits_recorder(self, name: str, module: nn.Module) -> Callable[..., None]:
         """What a watched module calls with q and k (dmuon's model) or with its max logits and
-        its query (Hugging Face)."""
+        its query (Hugging Face). Under tensor parallel the module sees its rank's heads: which
+        of the layer's they are comes from the rows of its query weight this rank holds in the
+        forward pass (FSDP2 has gathered its other dimensions by then)."""
+        layer, found = self.layers[name], {}
+
+        def heads_here(count: int) -> slice | None:
+            if count == layer.num_heads:
+                return None
+            weight = getattr(getattr(module, "q_proj", None), "weight", None)
+            key = (id(getattr(weight, "device_mesh", None)), tuple(getattr(weight, "placements", ())), count)
+            if key not in found:  # the same every forward pass
+                found[key] = heads_of_rows(rows_held(weight, layer.out_dim) if isinstance(weight, Tensor) else None,
+                                           layer.q_offset, layer.head_dim, count)
+            return found[key]
+
         def recorder(q_or_maxima: Tensor, k: Tensor | None = None, *, query: Tensor | None = None) -> None:
             if not torch.is_grad_enabled():
                 return  # evaluation: not the step's logits
-            if k is not None:
-                self.record(name, max_logits(q_or_maxima, k), query=q_or_maxima)
-            else:
-                self.record(name, q_or_maxima, query=query)
+            values = max_logits(q_or_maxima, k) if k is not None else q_or_maxima
+            self.record(name, values, heads_here(values.numel()), query=q_or_maxima if k is not None else query)
         return recorder
 
     def discard(self) -> None:

@@ -118,7 +118,8 @@ def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = t
                 qk_threshold: float | None = None, ddp_comm_hook: bool = False,
                 ddp_options: dict | None = None) -> dict:
     """Train the tiny model; ``parallel`` None is the single-process reference, else "ddp",
-    "fsdp", "hsdp" or "owner" (the blocks' matrices owner-sharded) with the data split across ranks.
+    "fsdp", "hsdp", "owner" (the blocks' matrices owner-sharded) or "fsdp+tp" (a (dp, 2) mesh,
+    :func:`tensor_parallel_blocks`) with the data split across the data-parallel ranks.
 
     ``dtype``: the parameters' dtype; ``mixed_precision``: FSDP2 computes in bf16 and reduces
     in fp32 while its sharded parameters stay fp32. ``early_start``, ``bucket_bytes``: dmuon's options;
@@ -140,6 +141,13 @@ def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = t
         fully_shard(model, mesh=mesh, **({"mp_policy": policy} if policy else {}))
     elif parallel == "owner":
         dmuon.shard_by_owner(model, init_device_mesh("cpu", (world,)), layers=model.layers)
+    elif parallel == "fsdp+tp":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        tensor_parallel_blocks(model, mesh["tp"])
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        rank, world = mesh["dp"].get_local_rank(), world // 2  # tensor-parallel ranks see the same batch
     opt = dmuon.Muon(model, replica_split=replica_split, early_start=early_start,
                      **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}), **LLAMA_HPARAMS)
     if ddp_comm_hook:
@@ -162,6 +170,21 @@ def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = t
     state_dtypes = {v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"}
     return dict(losses=losses, params=whole_params(model), state_dtypes=state_dtypes, early_start=opt.early_start,
                 early_buckets=opt.last_step_stats.early_buckets, heads_clipped=clipped)
+
+
+def tensor_parallel_blocks(model: Llama, tp_mesh) -> None:
+    """The tiny Llama's blocks over ``tp_mesh`` as torchtitan lays them out: q, k, v, gate and up
+    column-wise, o and down row-wise; each attention module then counts its own rank's heads."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    degree = tp_mesh.size()
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            **{f"attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
+            **{f"mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")},
+            "attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+        block.attn.n_heads //= degree
+        block.attn.n_kv_heads //= degree
 
 
 def whole_params(model: nn.Module) -> dict[str, torch.Tensor]:

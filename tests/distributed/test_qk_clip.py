@@ -150,6 +150,26 @@ def test_training_with_the_clip_matches_one_process(clipped_reference, parallel,
             assert torch.equal(value, results[0]["params"][name]), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_for_model_under_fsdp_and_tensor_parallel_clips_the_heads_one_process_clips(clipped_reference, dtype):
+    """(dp=2, tp=2), each attention module counting its rank's heads (torchtitan's layout): the
+    clip takes the global head counts from the weights and records each rank's heads in their
+    own slots, so the run is one process's (fp32: to the training-parity tolerance; bf16: the
+    same heads clipped, identical replicas)."""
+    reference = clipped_reference if dtype == torch.float32 else single_process(
+        train_llama, None, dtype=dtype, qk_threshold=CLIP_TAU)
+    results = run_on_ranks(4, train_llama, "fsdp+tp", dtype=dtype, qk_threshold=CLIP_TAU)
+    for r in results:
+        assert r["heads_clipped"] == reference["heads_clipped"] and all(c > 0 for c in r["heads_clipped"])
+        for name, value in r["params"].items():
+            assert torch.equal(value, results[0]["params"][name]), name
+            if dtype == torch.float32:
+                torch.testing.assert_close(value, reference["params"][name], rtol=1e-4, atol=1e-5, msg=name)
+        if dtype == torch.float32:
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), rtol=1e-5,
+                                       atol=1e-6)
+
+
 def plain_params_and_optimizer() -> tuple[list[nn.Parameter], dmuon.Muon]:
     params = [nn.Parameter(t.clone()) for t in full_tensors(shapes(2), seed=0)]
     return params, dmuon.Muon([{"params": params, "param_names": NAMES}], **HPARAMS)
