@@ -1,6 +1,14 @@
 """The backward side of an owner sharding: each layer's gradients reduced to their owners as
 they arrive, averaged there and added to what earlier backward passes left (gradient
-accumulation), early start told which are final, and a backward pass that raised dropped."""
+accumulation), early start told which are final, and a backward pass that raised dropped.
+
+A backward pass that raised (caught on every rank at the same point, the loop going on) is
+dropped exactly where it reduced: every gradient it reached is put back as it was before it
+(an earlier pass's average, or none), so the step sees the micro-batches as if the failed one
+had been skipped. Inside ``no_sync()`` nothing is reduced, and what it added stays in the local
+sums, as in one process. Where it reduced and reached a gradient holding such local sums (the
+pass that ends a ``no_sync()`` block), they cannot be taken apart from it: the next step raises,
+until the gradients are zeroed."""
 
 from __future__ import annotations
 
@@ -56,6 +64,11 @@ class GradientReduction:
         self._rest_ready: set[int] = set()
         # a backward pass sent gradients and has not reached its end: if it is not running, it raised
         self._backward_open = False
+        self._pass_reduces = True  # the open pass's reduce_gradients (no_sync() may have ended since)
+        # the parameters the open pass reached, each with whether its gradient held nothing of
+        # this rank's own before the pass (None, or an average set aside): what a failure restores
+        self._reached: dict[int, bool] = {}
+        self.lost_sums = False  # a failed pass added to local no_sync() sums: refused until zeroed
         # told which of this rank's parameters have their final (averaged) gradient, layer by
         # layer during the backward pass (early start's; notify_final_gradients); an OrderedDict,
         # as RemovableHandle holds it weakly, which a dict cannot be
@@ -65,12 +78,17 @@ class GradientReduction:
         self.rest_bytes = 0
 
     def before_accumulation(self, param: nn.Parameter, grad: Tensor) -> Tensor:
-        """A backward reaches ``param`` while its owner still holds the average of an earlier
-        one (gradient accumulation without ``no_sync``): set it aside, so that only this rank's
-        new gradient is reduced, and add the new average to it afterwards."""
+        """A backward pass first reaches ``param`` (before autograd adds ``grad`` to its
+        gradient): an average an earlier pass left (gradient accumulation without ``no_sync``)
+        is set aside, so that only this rank's new gradient is reduced, and the new average is
+        added to it afterwards; and what the gradient held is noted, for a pass that raises."""
+        if id(param) in self._reached:
+            return grad
+        self._backward_reached()
         if param.grad is not None and param.grad is self._averaged.get(id(param)):
             self._set_aside[id(param)] = param.grad
             param.grad = None
+        self._reached[id(param)] = param.grad is None
         return grad
 
     def _backward_reached(self) -> None:
@@ -79,19 +97,41 @@ class GradientReduction:
         self.state = TrainingState.BACKWARD
         if not self._backward_open:
             self._backward_open = True
+            self._pass_reduces = self.reduce_gradients
+            if self.lost_sums and all(p.grad is None for p in self._all_params()):
+                self.lost_sums = False  # zeroed: the refused sums are gone
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_completed)
 
     def _backward_completed(self) -> None:
         self._backward_open = False
+        self._reached = {}
+
+    def _all_params(self) -> list[nn.Parameter]:
+        return [*self.params, *(self.rest or ())]
+
+    def _restore_reached(self) -> None:
+        """Put back what a failed pass changed of the gradients it reached (module docstring)."""
+        for p in self._all_params():
+            nothing_before = self._reached.get(id(p))
+            if nothing_before is None:
+                continue
+            earlier = self._set_aside.pop(id(p), None)
+            if not self._pass_reduces:  # its partial gradients stay in the local sums, as in one process
+                if earlier is not None:
+                    p.grad = earlier if p.grad is None else earlier.add_(p.grad)
+            elif earlier is not None or nothing_before:
+                p.grad = earlier
+            else:
+                self.lost_sums = True
+        self._reached = {}
 
     def drop_a_failed_backward(self) -> None:
         """Where a backward pass raised (an out-of-memory error, a failing hook: caught, on every
         rank, at the same point), what it reduced is not a gradient of anything the step will
         see: wait for the reduces it started (every rank started them), keep none of their
-        sums, and forget its bookkeeping, together with the averages of earlier backward passes
-        set aside for it (a failed backward pass is followed by ``zero_grad()``). Runs before
-        the next forward pass and at the step; not while a backward pass runs (activation
-        checkpointing recomputes layers inside one)."""
+        sums, forget its bookkeeping, and put back the gradients it reached (module docstring).
+        Runs before the next forward pass and at the step; not while a backward pass runs
+        (activation checkpointing recomputes layers inside one)."""
         if not self._backward_open or torch._C._current_graph_task_id() != -1:
             return
         self._backward_open = False
@@ -105,7 +145,7 @@ class GradientReduction:
             layer.ready.clear()
             layer.release()
         self._layers_done, self._rest_ready = 0, set()
-        self._set_aside.clear()
+        self._restore_reached()
         self.state = TrainingState.IDLE
         self.ownership.counter.reset()
         self.rest_counter.reset()
@@ -167,10 +207,13 @@ class GradientReduction:
             if layer.ready:  # some of its parameters got gradients, others none
                 self._layer_backward_done(layer)
         self._finish_reduces(self._reduces)
-        self._restore_set_aside()
         for p, work in self._rest_reduces:
             work.wait()
             p.grad.div_(self.ranks)
+            earlier = self._set_aside.pop(id(p), None)
+            p.grad = p.grad if earlier is None else earlier.add_(p.grad)
+            self._averaged[id(p)] = p.grad
+        self._restore_set_aside()
         self._reduces, self._rest_reduces = [], []
         self._layers_done, self._rest_ready = 0, set()
         self._backward_open = False
@@ -214,10 +257,18 @@ class GradientReduction:
     def _restore_set_aside(self) -> None:
         """Averages set aside for a backward that reduced nothing (inside ``no_sync``, or none
         ran): back into the gradient, which keeps what that backward accumulated."""
-        for p in self.params:
+        for p in self._all_params():
             earlier = self._set_aside.pop(id(p), None)
             if earlier is not None:
                 p.grad = earlier if p.grad is None else earlier.add_(p.grad)
+
+    def check_sums_kept(self) -> None:
+        """Raise if a failed backward pass added to local ``no_sync()`` sums (module docstring)."""
+        if self.lost_sums:
+            raise RuntimeError(
+                "A backward pass raised after gradients had accumulated under no_sync() (owner sharding), and it "
+                "reduced: what it added cannot be taken back out of those sums. Call zero_grad() and run this step's "
+                "micro-batches again (a failed pass outside no_sync() is dropped by itself).")
 
     def _check_no_stray_gradients(self) -> None:
         if self.rest is None:

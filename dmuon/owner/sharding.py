@@ -169,8 +169,11 @@ class OwnerSharding:
         parameters without one (which must be the same on every rank).
 
         Raises a ValueError naming a parameter that has a gradient although it was frozen when
-        the sharding was made (with ``replicate_rest``): nothing averages its gradient."""
+        the sharding was made (with ``replicate_rest``): nothing averages its gradient; a
+        RuntimeError where a backward pass that raised added to gradients accumulated under
+        ``no_sync()`` (they are not zeroed since)."""
         self.gradients.wait()
+        self.gradients.check_sums_kept()
 
     def notify_final_gradients(self, listener: Callable[[Sequence[nn.Parameter] | None], None]) -> RemovableHandle:
         """Tell ``listener`` which of this rank's parameters have their final (averaged) gradient
@@ -216,6 +219,7 @@ class OwnerSharding:
                 self._handles.append(p.register_hook(partial(self.gradients.before_accumulation, p)))
         for p in self._rest or ():
             self._handles.append(p.register_post_accumulate_grad_hook(self.gradients.rest_gradient_ready))
+            self._handles.append(p.register_hook(partial(self.gradients.before_accumulation, p)))
         self._handles += install_state_dict_hooks(self.model, self.ownership, self.weights_changed)
         with torch.no_grad():
             everyone = self.groups.everyone

@@ -425,3 +425,76 @@ def test_a_caught_exception_in_the_backward_pass_leaves_nothing_behind(world, z3
         assert r["early_start"].startswith("on") == early_start
         for name, value in c["params"].items():
             assert torch.equal(r["params"][name], value), name
+
+
+def accumulate_through_a_failed_backward(fail: bool, first_in_no_sync: bool, reshard_after_forward: bool,
+                                         dtype: torch.dtype) -> dict:
+    """Two steps of the 4-layer MLP, owner-sharded with its biases replicated, each accumulating
+    micro-batches a and b (a inside ``no_sync()`` where ``first_in_no_sync``); with ``fail``, a
+    third micro-batch's backward pass raises between them at the first step, after the two last
+    layers' gradients went to their owners, and the loop goes on without ``zero_grad()``. Where
+    the step refuses, the loop zeroes the gradients and runs the step's micro-batches again."""
+    from tests.helpers import tiny_mlp
+
+    model = tiny_mlp(dtype=dtype)
+    sharding = dmuon.shard_by_owner(model, layers=list(model), reshard_after_forward=reshard_after_forward)
+    opt = dmuon.Muon(model, lr=0.02)
+    failing = []
+
+    def fail_later(module, args, out):
+        if failing:
+            out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory (a test's)")))
+
+    model[1].register_forward_hook(fail_later)
+
+    def backward(seed: int) -> None:
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed + dist.get_rank())).to(dtype)
+        model(x).float().square().mean().backward()
+
+    refused = []
+    for step in range(2):
+        with sharding.no_sync() if first_in_no_sync else contextlib.nullcontext():
+            backward(100 * step)
+        if fail and step == 0:
+            failing.append(True)
+            with pytest.raises(RuntimeError, match="a test's"):
+                backward(1000)
+            failing.clear()
+        backward(100 * step + 50)
+        try:
+            opt.step()
+        except RuntimeError as error:
+            refused.append(str(error))
+            opt.zero_grad()
+            with sharding.no_sync():
+                backward(100 * step)
+            backward(100 * step + 50)
+            opt.step()
+        opt.zero_grad()
+    return dict(params=whole_params(model), refused=refused)
+
+
+@pytest.mark.parametrize("world,z3,dtype", [(2, False, torch.float32), (3, True, torch.float32),
+                                            (4, False, torch.float32), (3, False, torch.bfloat16)])
+def test_a_failed_micro_batch_during_accumulation_is_dropped_exactly(world, z3, dtype):
+    """Plain accumulation (every micro-batch reduces, no zero_grad() after the failure): the
+    step equals the same loop without the failed micro-batch, bitwise, replicas identical."""
+    failed = run_on_ranks(world, accumulate_through_a_failed_backward, True, False, z3, dtype)
+    control = run_on_ranks(world, accumulate_through_a_failed_backward, False, False, z3, dtype)
+    for r, c in zip(failed, control):
+        assert r["refused"] == []
+        for name, value in c["params"].items():
+            assert torch.equal(r["params"][name], value), name
+            assert torch.equal(value, control[0]["params"][name]), name
+
+
+def test_a_failed_micro_batch_after_no_sync_sums_is_refused_at_the_step_on_every_rank():
+    """The pass that ends a no_sync() block reduces the local sums: a failure in it cannot be
+    taken back out of them, so the step raises on every rank, asking for zero_grad(); the
+    redone step is the control's."""
+    failed = run_on_ranks(3, accumulate_through_a_failed_backward, True, True, False, torch.float32)
+    control = run_on_ranks(3, accumulate_through_a_failed_backward, False, True, False, torch.float32)
+    for r, c in zip(failed, control):
+        assert len(r["refused"]) == 1 and "Call zero_grad()" in r["refused"][0]
+        for name, value in c["params"].items():
+            assert torch.equal(r["params"][name], value), name
