@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from dmuon import param_groups
 from dmuon.agreement import Fingerprint, agreed_call, issued_number, record_number
 from dmuon.exchange import GroupRef, collective_device
-from dmuon.hyperparameters import ROUTE_REASONS, EngineOptions, check_use_addmm, validate_defaults
+from dmuon.hyperparameters import ROUTE_REASONS, ROUTING_KEYS, EngineOptions, check_use_addmm, validate_defaults
 from dmuon.layout import agreement_group, ranks_holding
 from dmuon.routing import module_roles
 from dmuon.step import Stepper
@@ -173,10 +173,10 @@ def load_state_dict(opt: Muon, state_dict: dict[str, Any]) -> None:
             loaded = param_groups.from_torch_muon(state_dict, opt.param_groups)
         param_groups.check_loadable(loaded, opt.param_groups)
         torch.optim.Optimizer.load_state_dict(opt, loaded)
-        # The routing is checked equal; its reasons are this build's (a checkpoint's may
-        # come from another version, or from torch.optim.Muon, which has none).
+        # The per-parameter facts are this build's: derived from the groups and parameters, never
+        # read from a checkpoint (a flattened one holds another layout's lists; torch.optim.Muon's none).
         for group, before in zip(opt.param_groups, kept[1]):
-            group[ROUTE_REASONS] = before[ROUTE_REASONS]
+            group.update({key: before[key] for key in (*ROUTING_KEYS, ROUTE_REASONS, "param_names") if key in before})
         return fingerprint(opt)
 
     try:

@@ -498,9 +498,16 @@ def from_torch_muon(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]
 
 def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
     """Raise a ValueError naming the group or parameter if ``state_dict`` cannot be loaded
-    into these groups: missing keys, hyperparameters the constructor would refuse, other
-    routing, state tensors of other shapes or of another layout (a DTensor's state saved under
-    DDP, or the reverse)."""
+    into these groups: missing keys, hyperparameters the constructor would refuse, state of
+    another algorithm than the parameter's route here, state tensors of other shapes, of
+    another layout (a DTensor's state saved under DDP, or the reverse), on the meta device, or
+    a negative AdamW step count.
+
+    The per-parameter facts of a saved group (``ROUTING_KEYS``, ``ROUTE_REASONS``) are not
+    read: they are derived here, from this optimizer's groups and parameters. A flattened state
+    dict (``flatten_optimizer_state_dict=True``, torchtitan's) stores every group key under each
+    parameter's name and rebuilds a group from its first parameter's, so those lists may come
+    from a group of another pipeline layout; a parameter's own state says how it was stepped."""
     saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(state, dict):
         raise ValueError("Invalid state dict: it needs 'state' (a dict) and 'param_groups' (a list).")
@@ -509,23 +516,25 @@ def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]])
     for g, (saved, mine) in enumerate(zip(saved_groups, groups)):
         if not isinstance(saved, dict):
             raise ValueError(f"Param group {g} of the state dict is a {type(saved).__name__}, not a dict.")
-        missing = [k for k in (*GROUP_KEYS, "params") if k not in saved]
+        missing = [k for k in (*GROUP_KEYS, "params") if k not in saved and k not in ROUTING_KEYS]
         if missing:
             raise ValueError(f"Param group {g} of the state dict lacks {missing} (a dmuon.Muon state dict "
                              "of another version or optimizer?).")
-        for key in ("params", *ROUTING_KEYS):
-            if not isinstance(saved[key], list) or len(saved[key]) != len(mine["params"]):
-                raise ValueError(f"Param group {g} of the state dict has {key!r} {_length(saved[key])}, for "
-                                 f"this optimizer's {len(mine['params'])} parameters.")
+        if not isinstance(saved["params"], list) or len(saved["params"]) != len(mine["params"]):
+            raise ValueError(f"Param group {g} of the state dict has 'params' {_length(saved['params'])}, for "
+                             f"this optimizer's {len(mine['params'])} parameters.")
         names = names_of(mine, g)
         for i, (key, p) in enumerate(zip(saved["params"], mine["params"])):
-            if saved["algorithms"][i] != mine["algorithms"][i]:
-                raise ValueError(f"Parameter {names[i]!r} is routed to {mine['algorithms'][i]} here but to "
-                                 f"{saved['algorithms'][i]} in the state dict.")
             entry = state.get(key, {})
             if not isinstance(entry, dict):
                 raise ValueError(f"The state of parameter {names[i]!r} is a {type(entry).__name__}, not a dict.")
-            for name in STATE_KEYS[mine["algorithms"][i]] if entry else ():
+            algorithm = mine["algorithms"][i]
+            others = sorted({k for k in entry if k not in STATE_KEYS[algorithm]} & set(_STATE_OWNER))
+            if others:
+                raise ValueError(f"Parameter {names[i]!r} is routed to {algorithm} here, but its state in the state "
+                                 f"dict is {_STATE_OWNER[others[0]]}'s ({others}): it was saved by an optimizer that "
+                                 "routed it otherwise. Give its group the same \"algorithm\" as when it was saved.")
+            for name in STATE_KEYS[algorithm] if entry else ():
                 _check_state_tensor(entry.get(name), name, p, names[i])
     keys = [key for saved in saved_groups for key in saved["params"]]
     if len(set(keys)) != len(keys):
@@ -534,11 +543,14 @@ def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]])
     if stray:
         raise ValueError(f"The state dict has state for parameter key {stray[0]!r}, which none of its param groups "
                          "lists.")
-    for g, saved in enumerate(saved_groups):
+    for g, (saved, mine) in enumerate(zip(saved_groups, groups)):
         where = f" in param group {g} of the state dict"
-        if "muon" in saved["algorithms"]:
+        if "muon" in mine["algorithms"]:
             validate_muon_group(saved, where)
         validate_adamw_group(saved, where)
+
+
+_STATE_OWNER = {key: algorithm for algorithm, keys in STATE_KEYS.items() for key in keys}  # which algorithm keeps it
 
 
 def _length(value: Any) -> str:
@@ -549,7 +561,14 @@ def _check_state_tensor(value: Any, key: str, param: Tensor, name: str) -> None:
     """One state tensor against its parameter: a tensor, of the parameter's shape and layout."""
     if not isinstance(value, Tensor):
         raise ValueError(f"The state of parameter {name!r} lacks {key!r} (or it is not a tensor).")
+    if value.is_meta:
+        raise ValueError(f"The state of parameter {name!r} has {key} on the meta device (no values): load a state "
+                         "dict with the values, or build the optimizer's state by stepping.")
     if key == "step":
+        count = value.detach().cpu() if value.numel() == 1 else None
+        if count is None or not bool(torch.isfinite(count).all()) or float(count) < 0:
+            raise ValueError(f"The state of parameter {name!r} has step={count.item() if count is not None else value}"
+                             "; AdamW's step count must be one number >= 0.")
         return
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"The state of parameter {name!r} has {key} of shape {tuple(value.shape)}; the "

@@ -99,6 +99,19 @@ def test_load_state_dict_checks_shapes_and_keys_naming_the_parameter():
     del missing_key["param_groups"][0]["ns_steps"]
     with pytest.raises(ValueError, match="Param group 0 of the state dict lacks \\['ns_steps'\\]"):
         opt.load_state_dict(missing_key)
+    on_meta = copy.deepcopy(good)
+    on_meta["state"][key]["momentum_buffer"] = torch.empty(good["state"][key]["momentum_buffer"].shape, device="meta")
+    with pytest.raises(ValueError, match="'hidden.weight' has momentum_buffer on the meta device"):
+        opt.load_state_dict(on_meta)
+    negative_step = copy.deepcopy(good)
+    negative_step["state"][embed]["step"] = torch.tensor(-5.0)
+    with pytest.raises(ValueError, match="'embed.weight' has step=-5.0; AdamW's step count must be one number >= 0"):
+        opt.load_state_dict(negative_step)
+    routed_otherwise = copy.deepcopy(good)
+    routed_otherwise["state"][key] = copy.deepcopy(good["state"][embed])
+    with pytest.raises(ValueError, match="'hidden.weight' is routed to muon here, but its state in the state dict is "
+                                         "adamw's \\(\\['exp_avg', 'exp_avg_sq', 'step'\\]\\)"):
+        opt.load_state_dict(routed_otherwise)
     before = [p.detach().clone() for p in net.parameters()]
     opt.load_state_dict(good)  # the failed loads changed nothing; the good one still loads and steps
     set_random_grads(net.parameters(), 1)
