@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,8 +52,10 @@ _WORD_BITS = 21
 # the header's fields, by position
 _ENTRY, _DIGEST, _FAILED, _NUMBER, _NONFINITE, _MISSING, _EARLY, _REPLICAS = 0, 2, 8, 9, 10, 11, 17, 18
 HEADER_LEN = 22
-# replicas' gradient norms agree to this relative tolerance (ranks may sum them in another order)
+# replicas' gradient norms agree to this relative tolerance (ranks may sum them in another order);
+# the check compares sums of their logarithms, so that a small replica counts as much as a large one
 REPLICA_RTOL = 1e-4
+_LOG_OF_NONFINITE = 100.0  # a norm that overflowed (a huge, finite gradient): above any fp32 norm's log (88.7)
 
 
 def digest_words(fingerprint: Fingerprint) -> Words:
@@ -112,12 +115,13 @@ class Agreed:
         """The ranks lack gradients for different parameters (step)."""
         return _differs(self.fields, _MISSING, 3)
 
-    @property
-    def replicas_differ(self) -> bool:
-        """The replicas' gradient norm sums differ between ranks beyond rounding (step)."""
+    def replicas_differ(self, count: int) -> bool:
+        """The sums of the logarithms of ``count`` replicas' gradient norms (:func:`_log_norm_sums`)
+        differ between ranks beyond rounding (step): by more than ``REPLICA_RTOL`` for each
+        replica, whatever its size."""
         pairs = [(self.fields[_REPLICAS + 2 * i], -self.fields[_REPLICAS + 2 * i + 1]) for i in range(2)]
-        scale = max(abs(v) for pair in pairs for v in pair)
-        return any(high - low > REPLICA_RTOL * scale for high, low in pairs)
+        tolerance = REPLICA_RTOL * _LOG_WEIGHTS_MAX * max(1, count)
+        return any(high - low > tolerance for high, low in pairs)
 
 
 # A failure on another rank is raised here as the same type where it is one of these (else RuntimeError).
@@ -261,7 +265,7 @@ def agree_on_step(prepared: PreparedStep | Exception, policy: str, process_group
     missing = [i for i, p in enumerate(params) if here[i] and p.grad is None]
     grads = [local(params[i].grad) for i in checked]
     sparse = next((i for i, g in zip(checked, grads) if g.is_sparse), None)
-    suspect, replica_sums = None, None
+    suspect, replica_sums, replica_grads = None, None, []
     if error is None and sparse is not None:  # before any reduction (none runs on sparse tensors)
         error = RuntimeError(f"Muon does not support sparse gradients: {names()[sparse]!r} has one. Use dense "
                              "gradients (e.g. nn.Embedding(..., sparse=False)).")
@@ -274,7 +278,7 @@ def agree_on_step(prepared: PreparedStep | Exception, policy: str, process_group
         if replica_grads:
             picked = [norms[k] for k in replica_grads] if norms is not None else \
                 grad_norms([grads[k] for k in replica_grads])
-            replica_sums = _weighted_sums(torch.stack(picked))
+            replica_sums = _log_norm_sums(torch.stack(picked))
     missing_words = digest_words([("missing", json.dumps(missing))])
     agreed = None
     if process_group is not None:
@@ -294,8 +298,6 @@ def agree_on_step(prepared: PreparedStep | Exception, policy: str, process_group
         partial = [names()[i] for i in sorted(left_alone) if i in checked]
         if partial:
             warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=4)
-    elif agreed is not None and not flagged and agreed.replicas_differ:
-        _raise_for_replicas(params, replicas, names(), process_group, device())
     # the quick look flags huge finite gradients too: the exact check of those decides
     nonfinite = _confirm_nonfinite(grads, suspect, process_group, device(), counter) if flagged else None
     if nonfinite is not None:
@@ -305,15 +307,24 @@ def agree_on_step(prepared: PreparedStep | Exception, policy: str, process_group
             raise FloatingPointError(f"Non-finite gradients in {where}.")
         warnings.warn(f"Muon skipped a step: non-finite gradients in {where}.", stacklevel=4)
         return params, here, None, code
+    if agreed is not None and not agreed.missing_differs and agreed.replicas_differ(len(replica_grads)):
+        _raise_for_replicas(params, replicas, names(), process_group, device())
     return params, here, left_alone, code
 
 
-def _weighted_sums(norms: Tensor) -> Tensor:
-    """Two sums of a rank's replica gradient norms (fp32, non-finite ones as 0): plain, and
-    weighted by position, so that two replicas whose norms trade places still differ."""
-    norms = torch.where(norms.isfinite(), norms, 0).to(torch.float32)
-    weights = torch.arange(norms.numel(), device=norms.device, dtype=torch.float32).remainder_(7).add_(1)
-    return torch.stack([norms.sum(), (norms * weights).sum()])
+_LOG_WEIGHTS_MAX = 7  # the largest weight of _log_norm_sums's second sum
+
+
+def _log_norm_sums(norms: Tensor) -> Tensor:
+    """Two sums of the logarithms of a rank's replica gradient norms (fp32; a zero norm as the
+    log of 1e-30, one that overflowed as ``_LOG_OF_NONFINITE``): plain, and weighted by
+    position, so that two replicas whose norms trade places still differ. A replica's share is
+    its norm's relative size, whatever its magnitude, so one small non-replica among large
+    replicas moves the sums as much as a large one would."""
+    norms = norms.to(torch.float32)
+    logs = torch.where(norms.isfinite(), norms.clamp_min(1e-30).log(), _LOG_OF_NONFINITE)
+    weights = torch.arange(logs.numel(), device=logs.device, dtype=torch.float32).remainder_(_LOG_WEIGHTS_MAX).add_(1)
+    return torch.stack([logs.sum(), (logs * weights).sum()])
 
 
 def _raise_for_replicas(params: Sequence[Tensor], replicas: Sequence[bool], every: Sequence[str],
@@ -329,19 +340,31 @@ def _raise_for_replicas(params: Sequence[Tensor], replicas: Sequence[bool], ever
     ranks = dist.get_process_group_ranks(process_group)
 
     def spread(k: int) -> tuple[tuple[int, float], tuple[int, float]]:
-        """(rank, norm) of the lowest and the highest norm of replica ``k``."""
+        """(rank, norm) of the lowest and the highest norm of replica ``k`` (ranks that have its gradient)."""
         seen = [(ranks[r], norms_of[k]) for r, norms_of in enumerate(everyone) if norms_of[k] is not None]
         return min(seen, key=lambda rn: rn[1]), max(seen, key=lambda rn: rn[1])
 
-    spreads = [(i, *spread(k)) for k, i in enumerate(positions)]
+    with_grad = [(k, i) for k, i in enumerate(positions) if any(n[k] is not None for n in everyone)]
+    unused = [every[i] for k, i in enumerate(positions) if all(n[k] is None for n in everyone)]
+    spreads = [(i, *spread(k)) for k, i in with_grad]
     # the first replica that differs (only the sums may have, by rounding at the tolerance's edge)
-    i, low, high = next((s for s in spreads if s[2][1] - s[1][1] > REPLICA_RTOL * abs(s[2][1])), spreads[0])
+    i, low, high = next((s for s in spreads if not _close(s[1][1], s[2][1])), spreads[0])
+    hint = (f" Under DDP, parameters the forward pass does not use ({unused}) keep DDP from averaging the "
+            "gradients of their buckets: pass find_unused_parameters=True to DistributedDataParallel, or leave them "
+            "out of the model." if unused else "")
     raise ValueError(
         f"Muon parameter {every[i]!r} is a plain tensor, which dmuon takes for a replica held whole on every rank "
         f"of its process group (ranks {ranks}), but its gradient differs between them (norm {low[1]:.6g} on rank "
         f"{low[0]}, {high[1]:.6g} on rank {high[0]}): the ranks do not hold copies of one model. Pass the ranks "
         "that do as process_group= (dmuon.Muon(ddp_model) takes a DDP model's own), or average the gradients "
-        "across the ranks (DDP) before step().")
+        f"across the ranks (DDP) before step().{hint}")
+
+
+def _close(low: float, high: float) -> bool:
+    """Two ranks' norms of one replica agree to rounding (an overflowed norm equals only another)."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return low == high
+    return high - low <= REPLICA_RTOL * abs(high)
 
 
 def _confirm_nonfinite(grads: Sequence[Tensor], suspect: Tensor | None, process_group: dist.ProcessGroup | None,

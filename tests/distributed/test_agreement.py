@@ -507,3 +507,48 @@ def process_group_of_another_kind() -> str | None:
 def test_a_process_group_that_is_not_one_is_named():
     errors = run_on_ranks(2, process_group_of_another_kind)
     assert_same_error(errors, r"TypeError: Invalid process_group='world'\. Must be a torch\.distributed\.ProcessGroup")
+
+
+def ddp_with_an_unused_parameter() -> str | None:
+    """DDP's default (find_unused_parameters=False) with a Linear the forward never uses: DDP
+    does not average the bucket it shares, so the replicas' gradients differ."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    class OneUnused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(OneUnused())
+    opt = dmuon.Muon(ddp, lr=0.02)
+    ddp(torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()))).square().mean().backward()
+    return error_of(opt.step)
+
+
+def test_a_ddp_model_with_an_unused_parameter_is_refused_naming_the_cause():
+    errors = run_on_ranks(2, ddp_with_an_unused_parameter)
+    assert_same_error(errors, r"ValueError: Muon parameter 'module.used.weight' is a plain tensor, which dmuon "
+                      r"takes for a replica .* find_unused_parameters=True")
+
+
+def replicas_that_are_not(case: str) -> str | None:
+    """Plain tensors on every rank, with gradients set by hand: a large true replica beside a
+    small one that differs between ranks ("small"), or a replica whose gradient is huge but
+    finite on rank 0 only, which the quick non-finite look flags ("huge")."""
+    large, small = nn.Parameter(torch.zeros(8, 8)), nn.Parameter(torch.zeros(8, 8))
+    opt = dmuon.Muon([{"params": [large, small], "param_names": ["large", "small"], "algorithm": "muon"}], lr=0.02)
+    large.grad = torch.full((8, 8), 1e3)
+    small.grad = torch.full((8, 8), 1e-3 * (1 + dist.get_rank()))
+    if case == "huge":
+        small.grad = torch.full((8, 8), 1e30 if dist.get_rank() == 0 else 1e-3)
+    return error_of(opt.step)
+
+
+@pytest.mark.parametrize("case", ["small", "huge"])
+def test_a_non_replica_is_found_whatever_its_size(case):
+    errors = run_on_ranks(3, replicas_that_are_not, case)
+    assert_same_error(errors, r"ValueError: Muon parameter 'small' is a plain tensor, which dmuon takes for a replica")
