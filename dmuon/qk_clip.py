@@ -278,6 +278,41 @@ def heads_of_rows(rows: Tensor | None, offset: int, head_dim: int, count: int) -
     return slice(first // head_dim, first // head_dim + count)
 
 
+def heads_in_forward(module: nn.Module, layer: AttentionLayer, found: dict, count: int) -> slice | None:
+    """Which of ``layer``'s query heads the ``count`` that ``module``'s forward pass computed
+    are: all (None), or under tensor parallel those of the rows of its query weight this rank
+    holds in the forward pass (FSDP2 has gathered the weight's other dimensions by then); None
+    too where they are no such heads (the record is then refused at the step). ``found``:
+    the answers so far, by the weight's layout (the same every forward pass)."""
+    if count == layer.num_heads:
+        return None
+    weight = getattr(getattr(module, "q_proj", None), "weight", None)
+    key = (id(getattr(weight, "device_mesh", None)), tuple(getattr(weight, "placements", ())), count)
+    if key not in found:
+        rows = rows_held(weight, layer.out_dim) if isinstance(weight, Tensor) else None
+        found[key] = heads_of_rows(rows, layer.q_offset, layer.head_dim, count)
+    return found[key]
+
+
+def closure_then(args: tuple, kwargs: dict[str, Any], then: Callable[[], None]
+                 ) -> tuple[tuple, dict[str, Any]] | None:
+    """A step pre-hook's new arguments where the step (``args[0]``: the optimizer) runs a
+    closure: the closure, followed by ``then`` (also where it raises); None where it runs none."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+
+    def closure_and_then() -> Any:
+        try:
+            return closure()
+        finally:
+            then()
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_and_then}
+    return (args[0], closure_and_then, *args[2:]), kwargs
+
+
 def attention_layer_of(module: nn.Module) -> AttentionLayer | None:
     """The :class:`AttentionLayer` of a module this file recognises, else None: separate
     ``q_proj``/``k_proj`` linears (Hugging Face Llama, Mistral, Qwen…; dmuon's test model; under
@@ -469,6 +504,19 @@ def raise_for_records(codes: Tensor, slots: Mapping[str, slice], problems: dict[
         if codes[i] == _NONFINITE:
             raise FloatingPointError(f"QKClip: attention layer {name!r} recorded a non-finite max logit (NaN or "
                                      "inf) this step. Nothing was clipped.")
+
+
+def records_and_codes(records: Tensor, slots: Mapping[str, slice], problems: Mapping[str, str],
+                      unknown: list[str]) -> Tensor:
+    """What the ranks all-reduce (max) after a step: the records, non-finite ones as not
+    recorded, then a problem code per layer and one for unknown names (computed on the
+    records' device: no host read per layer)."""
+    codes = torch.zeros(len(slots) + 1, dtype=torch.float32, device=records.device)
+    nonfinite = records.isnan() | (records == math.inf)
+    for i, (name, slot) in enumerate(slots.items()):
+        codes[i] = _BAD_RECORD if name in problems else nonfinite[slot].any() * _NONFINITE
+    codes[-1] = float(bool(unknown))
+    return torch.cat([torch.where(nonfinite, NOT_RECORDED, records), codes])
 
 
 def scale_heads(layer: AttentionLayer, maxima: Tensor, threshold: float, alpha: float) -> None:
@@ -663,20 +711,8 @@ class QKClip:
 
     def _logits_recorder(self, name: str, module: nn.Module) -> Callable[..., None]:
         """What a watched module calls with q and k (dmuon's model) or with its max logits and
-        its query (Hugging Face). Under tensor parallel the module sees its rank's heads: which
-        of the layer's they are comes from the rows of its query weight this rank holds in the
-        forward pass (FSDP2 has gathered its other dimensions by then)."""
-        layer, found = self.layers[name], {}
-
-        def heads_here(count: int) -> slice | None:
-            if count == layer.num_heads:
-                return None
-            weight = getattr(getattr(module, "q_proj", None), "weight", None)
-            key = (id(getattr(weight, "device_mesh", None)), tuple(getattr(weight, "placements", ())), count)
-            if key not in found:  # the same every forward pass
-                found[key] = heads_of_rows(rows_held(weight, layer.out_dim) if isinstance(weight, Tensor) else None,
-                                           layer.q_offset, layer.head_dim, count)
-            return found[key]
+        its query (Hugging Face), for the heads it computed (:func:`heads_in_forward`)."""
+        heads_here = partial(heads_in_forward, module, self.layers[name], {})
 
         def recorder(q_or_maxima: Tensor, k: Tensor | None = None, *, query: Tensor | None = None) -> None:
             if not torch.is_grad_enabled():
@@ -700,26 +736,16 @@ class QKClip:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict[str, Any]
                      ) -> tuple[tuple, dict[str, Any]] | None:
         """Take the records the step's gradients came with (a step that raises takes them with
-        it): those taken so far, or, where the step runs a closure (Lightning's, torch's
-        ``step(closure)``), those taken once the closure's forward and backward passes ran; the
-        closure is wrapped to that end (``args[0]`` is the optimizer)."""
+        it): those taken so far, or where the step runs a closure, once it ran (:func:`closure_then`)."""
         self._skipped_before = getattr(optimizer, "skipped_steps", 0)
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:
-            self._taken = self._take()
-            return None
         self._taken = None
+        wrapped = closure_then(args, kwargs, self._take_for_step)
+        if wrapped is None:
+            self._take_for_step()
+        return wrapped
 
-        def take_after(closure: Callable[[], Any]) -> Any:
-            try:
-                return closure()
-            finally:
-                self._taken = self._take()
-
-        wrapped = partial(take_after, closure)
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": wrapped}
-        return (args[0], wrapped, *args[2:]), kwargs
+    def _take_for_step(self) -> None:
+        self._taken = self._take()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         skipped = getattr(optimizer, "skipped_steps", 0) != self._skipped_before
@@ -739,14 +765,7 @@ class QKClip:
         if group is not None and not agreed:
             agree("QKClip", self._description, group, self._device(), what="QK-clip configuration")
         records = records if records is not None else torch.full((total,), NOT_RECORDED)
-        records = records.to(self._device())
-        codes = torch.zeros(len(self._slots) + 1, dtype=torch.float32, device=records.device)
-        nonfinite = records.isnan() | (records == math.inf)
-        for i, (name, slot) in enumerate(self._slots.items()):  # on the device: no host read per layer
-            codes[i] = _BAD_RECORD if name in problems else nonfinite[slot].any() * _NONFINITE
-        codes[-1] = float(bool(unknown))
-        records = torch.where(nonfinite, NOT_RECORDED, records)
-        values = torch.cat([records, codes])
+        values = records_and_codes(records.to(self._device()), self._slots, problems, unknown)
         if group is not None:
             all_reduce_max(values, group)
         values = values.cpu()
