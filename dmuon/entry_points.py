@@ -68,7 +68,10 @@ def construct(opt: Muon, params: nn.Module | Iterable[Any], defaults: dict[str, 
     if not isinstance(params, (nn.Module, Tensor, set)):
         params = list(params)  # read twice: for the ranks that hold them, then to build the groups
     # the ranks that share the parameters agree, not the whole job (pipeline stages)
-    opt._job = GroupRef(agreement_group(param_groups.tensors_in(params), replicas))
+    job = agreement_group(param_groups.tensors_in(params), replicas)
+    if replicas is None and job is not None and job is not dist.group.WORLD:
+        opt._process_group = GroupRef(job)  # plain tensors beside a stage's DTensors: replicas on its ranks
+    opt._job = GroupRef(job)
 
     def build() -> Fingerprint:
         check_use_addmm(use_addmm)  # torch.optim.Muon's switch; dmuon's products are always fused

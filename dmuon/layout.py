@@ -173,33 +173,45 @@ def agreement_group(params: Sequence[tuple[str | None, Tensor]],
     """The process group over which an optimizer of ``params`` agrees: the ranks that share its
     parameters, not the whole job, so that the optimizers of pipeline stages (or of anything on
     disjoint ranks) never meet. ``process_group`` (the ranks holding copies of the plain
-    tensors) where given; else the world where a plain tensor is among ``params`` (a replica on
+    tensors) where given; else the world where every parameter is a plain tensor (a replica on
     every rank); else the group, among those the parameters' meshes and owner shardings were
     built with (DeviceMesh makes them up front, on every rank at once), whose ranks are all the
-    ranks holding a parameter. None in a single process.
+    ranks holding a DTensor or owner-sharded parameter — the plain tensors among them (a bias
+    FSDP2 ignores, say) are replicas on those ranks. None in a single process.
 
-    Raises a ValueError naming a parameter held on ranks ``process_group`` lacks, or where no
-    such group has exactly the ranks holding the parameters (parameters on meshes of different
-    parts of the job, a 2-D mesh over part of it): then pass ``process_group=``.
+    Raises a ValueError naming a parameter held on ranks ``process_group`` lacks, or ranks of
+    ``process_group`` that hold none of the DTensor or owner-sharded parameters (a pipeline
+    stage's optimizer given the whole job's group: the other stages would never join its
+    collectives), or where no group has exactly the ranks holding the parameters (parameters
+    on meshes of different parts of the job, a 2-D mesh over part of it): then pass
+    ``process_group=``.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     held = [(name, tensor, _groups_of(tensor)) for name, tensor in params]
+    placed = [(name, tensor, groups) for name, tensor, groups in held if groups is not None]
+    union = tuple(sorted({rank for _, _, (ranks, _) in placed for rank in ranks}))
     if process_group is not None:
         ranks = set(_group_ranks(process_group))
-        for name, tensor, groups in held:
-            if groups is not None and not set(groups[0]) <= ranks:
+        for name, tensor, groups in placed:
+            if not set(groups[0]) <= ranks:
                 raise ValueError(f"Invalid process_group: it covers ranks {sorted(ranks)}, but parameter "
                                  f"{label(name, tensor)} lives on ranks {list(groups[0])}. Pass a group of every "
                                  "rank holding the optimizer's parameters (or leave process_group out).")
+        if placed and ranks != set(union):
+            name, tensor, _ = placed[0]
+            raise ValueError(f"Invalid process_group: it covers ranks {sorted(ranks)}, but the optimizer's parameters "
+                             f"live on ranks {list(union)} (parameter {label(name, tensor)} on ranks "
+                             f"{list(placed[0][2][0])}): ranks {sorted(ranks - set(union))} hold none of them and "
+                             "would never join its collectives. Pass a group of exactly the ranks holding them (a "
+                             "pipeline stage's: its mesh's group), or leave process_group out.")
         return process_group
-    if not held or any(groups is None for _, _, groups in held):
+    if not placed:
         return dist.group.WORLD
-    union = tuple(sorted({rank for _, _, (ranks, _) in held for rank in ranks}))
-    group = _group_of_exactly(union, [g for _, _, (_, groups) in held for g in groups])
+    group = _group_of_exactly(union, [g for _, _, (_, groups) in placed for g in groups])
     if group is not None:
         return group
-    name, tensor, (ranks, _) = held[0]
+    name, tensor, (ranks, _) = placed[0]
     raise ValueError(f"The optimizer's parameters live on ranks {list(union)} (parameter {label(name, tensor)} on "
                      f"ranks {list(ranks)}), part of the job, and none of their meshes has a process group of exactly "
                      "those ranks. Pass process_group= a group of them, created on every rank of the job at the same "

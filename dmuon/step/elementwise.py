@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from dmuon.hyperparameters import adamw_hyperparameters
@@ -152,19 +153,25 @@ def adamw_step(group: dict, state: dict, stepped: set[int]) -> None:
     """torch's AdamW on a group's AdamW parameters whose ``id`` is in ``stepped`` (they have a
     gradient on every rank), with the group's AdamW hyperparameters
     (:func:`dmuon.hyperparameters.adamw_hyperparameters`), whose state the optimizer has created."""
-    params = [p for p, alg in zip(group["params"], group["algorithms"]) if alg == "adamw" and id(p) in stepped]
-    if not params:
+    chosen = [p for p, alg in zip(group["params"], group["algorithms"]) if alg == "adamw" and id(p) in stepped]
+    if not chosen:
         return
     hyper = adamw_hyperparameters(group)
     beta1, beta2 = hyper["betas"]
-    adamw(
-        params, [p.grad for p in params],
-        [state[p]["exp_avg"] for p in params], [state[p]["exp_avg_sq"] for p in params],
-        [], [state[p]["step"] for p in params],
-        amsgrad=False, beta1=beta1, beta2=beta2, lr=hyper["lr"],
-        weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=False,
-        foreach=_foreach_adamw(params, hyper["lr"]),
-    )
+    # torch's foreach kernels take DTensors of one mesh, or plain tensors, not a mix (a bias FSDP2
+    # ignores beside its sharded weights): one call for each
+    kinds: dict[int | None, list[Tensor]] = {}
+    for p in chosen:
+        kinds.setdefault(id(p.device_mesh) if isinstance(p, DTensor) else None, []).append(p)
+    for params in kinds.values():
+        adamw(
+            params, [p.grad for p in params],
+            [state[p]["exp_avg"] for p in params], [state[p]["exp_avg_sq"] for p in params],
+            [], [state[p]["step"] for p in params],
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=hyper["lr"],
+            weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=False,
+            foreach=_foreach_adamw(params, hyper["lr"]),
+        )
 
 
 def _foreach_adamw(params: Sequence[Tensor], lr: float | Tensor) -> bool:

@@ -16,7 +16,7 @@ from torch import nn
 
 import dmuon
 from tests.harness import run_on_ranks
-from tests.helpers import error_of, single_process
+from tests.helpers import assert_same_error, error_of, single_process
 
 WIDTH, BATCH, STEPS = 16, 8, 3  # BATCH: the global batch, split over the two dp ranks
 HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=torch.float32)
@@ -277,3 +277,56 @@ def test_a_group_on_other_ranks_is_refused():
         dp, pp = [rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]
         assert error == (f"ValueError: Parameter '0.0.weight' of param group 1 lives on ranks {pp}, this optimizer's "
                          f"parameters on ranks {dp}: give it an optimizer of its own."), error
+
+
+def stage_with_a_plain_tensor(given: str | None, dtype: torch.dtype = torch.float32, ignored: str = "bias") -> dict:
+    """A (pp=2, dp=2) job whose stages each hold a block under FSDP2 on ``mesh["dp"]`` with its
+    last bias (or weight: a Muon matrix) kept out (``ignored_params``: a plain tensor, its
+    gradient averaged over the stage's dp ranks by hand); ``given``: the optimizer's
+    ``process_group`` ("world": the whole job's, wider than the stage)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh.get_coordinate()
+    torch.manual_seed(pp)
+    part = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).to(dtype)
+    plain = getattr(part[2], ignored)
+    fully_shard(part, mesh=mesh["dp"], ignored_params={plain})
+    error = error_of(lambda: parts.append(dmuon.Muon(part, process_group=dist.group.WORLD if given == "world"
+                                                     else None, **HPARAMS)))
+    if error is not None:
+        return dict(error=error)
+    opt = parts[-1]
+    for step in range(2):
+        x, y = batch(10 * step + pp, dtype)
+        mse(part(x.chunk(2)[dp]), y.chunk(2)[dp]).backward()
+        dist.all_reduce(plain.grad, group=mesh["dp"].get_group())
+        plain.grad /= 2
+        opt.step()
+        opt.zero_grad()
+    return dict(error=None, stage=pp, params={n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                                             for n, p in part.named_parameters()})
+
+
+parts: list = []  # the optimizer a stage builds, kept where error_of runs its construction
+
+
+@pytest.mark.parametrize("dtype,ignored", [(torch.float32, "bias"), (torch.bfloat16, "bias"),
+                                           (torch.float32, "weight")])
+def test_a_stage_with_a_plain_tensor_agrees_over_its_own_ranks(dtype, ignored):
+    """The plain tensor is a replica on the stage's ranks: the stage's optimizer agrees and
+    exchanges over them (over the whole job it would wait for the other stage forever)."""
+    results = run_on_ranks(4, stage_with_a_plain_tensor, None, dtype, ignored)
+    for rank, r in enumerate(results):
+        assert r["error"] is None, r["error"]
+        replica = results[rank ^ 1]  # the other dp rank of the stage
+        assert all(torch.equal(v, replica["params"][n]) for n, v in r["params"].items())
+
+
+def test_a_process_group_wider_than_the_stage_is_refused_on_every_rank_before_any_collective():
+    results = run_on_ranks(4, stage_with_a_plain_tensor, "world", timeout_s=30)
+    for stage, others in ((0, "2, 3"), (1, "0, 1")):  # stage 0 on ranks 0 and 1
+        assert_same_error([r["error"] for r in results[2 * stage:2 * stage + 2]],
+                          r"ValueError: Invalid process_group: it covers ranks \[0, 1, 2, 3\], but the optimizer's "
+                          rf"parameters live on ranks .*: ranks \[{others}\] hold none of them")
