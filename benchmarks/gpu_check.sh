@@ -6,8 +6,9 @@
 # Each section runs under its own time limit, so one that fails or hangs costs only itself.
 # Usage: bash benchmarks/gpu_check.sh OUT [--dry-run]      Rerun one section: benchmarks/gpu_rerun.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
 out="${1:?usage: bash benchmarks/gpu_check.sh OUT [--dry-run]}"
+[ "${out#/}" != "$out" ] || out="$PWD/$out"  # OUT as the caller wrote it, from the caller's folder
+cd "$(dirname "$0")/.."
 if [ "${2:-}" = "--dry-run" ]; then
     exec python benchmarks/gpu_check.py --dry-run
 fi

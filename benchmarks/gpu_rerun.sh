@@ -2,9 +2,10 @@
 # Run one GPU check section (or all, in order) under its time limit, appending to OUT/log.txt.
 # Usage: bash benchmarks/gpu_rerun.sh SECTION|all OUT      (sections: python benchmarks/gpu_check.py --dry-run)
 set -uo pipefail
-cd "$(dirname "$0")/.."
 which="${1:?usage: bash benchmarks/gpu_rerun.sh SECTION|all OUT}"
 out="${2:?usage: bash benchmarks/gpu_rerun.sh SECTION|all OUT}"
+[ "${out#/}" != "$out" ] || out="$PWD/$out"  # OUT as the caller wrote it, from the caller's folder
+cd "$(dirname "$0")/.."
 mkdir -p "$out"
 log="$out/log.txt"
 python -c "import dmuon" 2>/dev/null || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -988,10 +988,11 @@ def check_memory(args: argparse.Namespace) -> None:
     batch = ("--tokens-per-step", (args.tokens_per_step, None)) if args.tokens_per_step else \
         ("--batch-size", (args.batch_size, 4))
     options = dict([("--layers", (args.layers, None)), batch])
+    model = ("--preset", args.preset)
     if args.device == "cuda":
-        check_fits(needed, options, gpu_memory(), "on one GPU")
+        check_fits(needed, options, gpu_memory(), "on one GPU", model)
     else:
-        check_fits(needed, options, available_memory(), f"here for {ranks} ranks")
+        check_fits(needed, options, available_memory(), f"here for {ranks} ranks", model)
 
 
 def preset_config(args: argparse.Namespace):

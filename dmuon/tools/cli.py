@@ -154,12 +154,13 @@ def check_seq_len(seq_len: int, preset: str, max_seq_len: int) -> None:
 
 
 def check_fits(needed: Callable[..., tuple[int, int]], options: dict[str, tuple[object, object]],
-               available: int | None, where: str = "here") -> None:
+               available: int | None, where: str = "here", model: tuple[str, object] | None = None) -> None:
     """A :class:`UsageError` where a run needs more memory than ``available``. ``needed(**values)``
     gives (bytes of the parameters, gradients and optimizer states; bytes of the activations)
     for values of ``options`` (option → (its value, its default), by the keyword ``needed``
     takes: the option without its dashes); the error names the option whose default would save
-    the most."""
+    the most, or ``model`` (option, value: what picks the model) where no option's default
+    would make the run fit."""
     values = {option.lstrip("-").replace("-", "_"): value for option, (value, _) in options.items()}
     total = sum(needed(**values))
     if available is None or total <= available:
@@ -170,9 +171,12 @@ def check_fits(needed: Callable[..., tuple[int, int]], options: dict[str, tuple[
         return sum(needed(**{**values, key: options[option][1]}))
 
     blamed = min(options, key=with_default)
+    value = options[blamed][0]
+    if model is not None and with_default(blamed) > available:
+        blamed, value = model  # the model itself is too large here, whatever the other options
     parameters, activations = needed(**values)
     gib = [f"{size / 2**30:,.1f} GiB" for size in (total, parameters, activations, available)]
-    raise UsageError(blamed, f"invalid value {options[blamed][0]}: the run would need at least {gib[0]} ({gib[1]} of "
+    raise UsageError(blamed, f"invalid value {value}: the run would need at least {gib[0]} ({gib[1]} of "
                              f"parameters, gradients and optimizer states, {gib[2]} of activations), more than the "
                              f"{gib[3]} available {where}")
 

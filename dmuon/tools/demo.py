@@ -274,8 +274,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     """What spans several arguments, checked before any training starts."""
     check_seq_len(args.seq_len, args.preset, PRESETS[args.preset].max_seq_len)
 
-    def needed(preset: str, batch_size: int) -> tuple[int, int]:
-        return training_bytes(get_config(preset), batch_size, args.seq_len)
+    def needed(preset: str, batch_size: int) -> tuple[int, int]:  # the vocabulary run() trains: bytes on text
+        return training_bytes(get_config(preset, **({"vocab_size": VOCAB_SIZE} if args.data == "text" else {})),
+                              batch_size, args.seq_len)
 
     check_fits(needed, {"--preset": (args.preset, "demo"), "--batch-size": (args.batch_size, 16)}, available_memory())
 

@@ -21,7 +21,7 @@ import dmuon.tools.demo
 import dmuon.tools.hardware
 import dmuon.tools.plan_cli
 import dmuon.tools.quality
-from dmuon.tools.cli import main
+from dmuon.tools.cli import UsageError, build_parser, main
 from dmuon.tools.hardware import PROFILES, OneRankSeconds
 
 
@@ -113,6 +113,7 @@ TOO_LARGE = [
     (["quality", "--layers", "100000"], "--layers"),
     (["quality", "--dim", "65536"], "--dim"),
     (["demo", "--batch-size", "100000000"], "--batch-size"),
+    (["bench", "--preset", "pi0"], "--preset"),  # too large whatever the other options: the model is blamed
 ]
 
 
@@ -122,6 +123,19 @@ def test_a_run_larger_than_memory_is_refused_before_it_starts(argv, option, caps
         monkeypatch.setattr(module, "available_memory", lambda: 8 * 2**30)
     last = rejects(argv, capsys).strip().splitlines()[-1]
     assert f"argument {option}: " in last and "more than the 8.0 GiB available here" in last, last
+
+
+@pytest.mark.parametrize("data,fits", [("text", True), ("synthetic", False)])
+def test_the_demo_s_memory_check_counts_the_vocabulary_it_trains(data, fits, monkeypatch):
+    """On text the demo trains a byte vocabulary (19.1 GiB for qwen2.5-1.5b at its defaults),
+    on synthetic tokens the preset's (22.9 GiB): 21 GiB free fits the one and not the other."""
+    monkeypatch.setattr(dmuon.tools.demo, "available_memory", lambda: 21 * 2**30)
+    args = build_parser().parse_args(["demo", "--preset", "qwen2.5-1.5b", "--data", data])
+    if fits:
+        dmuon.tools.demo.check_arguments(args)
+    else:
+        with pytest.raises(UsageError, match="--preset"):
+            dmuon.tools.demo.check_arguments(args)
 
 
 def test_the_memory_floor_is_below_what_a_training_step_holds():
