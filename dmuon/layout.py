@@ -78,8 +78,13 @@ class Layout:
 
 def chunk_sizes(rows: int, shards: int) -> list[int]:
     """``torch.chunk`` sizes of ``rows`` over ``shards``: ⌈rows/shards⌉ each until rows run out."""
+    return chunk_size_vector(rows, shards).tolist()
+
+
+def chunk_size_vector(rows: int, shards: int) -> Tensor:
+    """:func:`chunk_sizes` as an int64 vector (plans span up to 65536 ranks: no loop over them)."""
     per = -(-rows // shards) if rows else 0
-    return [max(0, min(per, rows - s * per)) for s in range(shards)]
+    return (rows - torch.arange(shards, dtype=torch.int64) * per).clamp_(0, per)
 
 
 class OwnerShardingHandle(Protocol):

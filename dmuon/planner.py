@@ -33,7 +33,7 @@ from functools import cached_property
 
 import torch
 
-from dmuon.layout import Layout, chunk_sizes
+from dmuon.layout import Layout, chunk_size_vector
 from dmuon.orthogonalization import NSConfig, gram_all_reduces, newton_schulz_flops
 
 DEFAULT_BUCKET_BYTES = 8 * 2**20
@@ -76,7 +76,7 @@ class Unit:
 
     def chunk_bytes_by_position(self, *, returned: bool = False) -> torch.Tensor:
         """:meth:`chunk_bytes` of every position, as an int64 vector."""
-        per_shard = torch.tensor(chunk_sizes(self.layout.shape[0], self.layout.shards), dtype=torch.int64)
+        per_shard = chunk_size_vector(self.layout.shape[0], self.layout.shards)
         return (per_shard * self.layout.row_numel * self._itemsize(returned)).repeat(self.layout.replicas)
 
     @property

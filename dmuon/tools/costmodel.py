@@ -269,6 +269,13 @@ class Workload:
             raise ValueError(f"Invalid ep={ep}: the model has no experts.")
         if (tp, pp) != (1, 1) and isinstance(config, VLAConfig):
             raise ValueError(f"Invalid tp={tp}, pp={pp}: an embodied (VLA) model is planned for data parallel only.")
+        sizes = {"query heads": config.n_heads, "key/value heads": config.n_kv_heads, "MLP width": config.ffn_dim} \
+            if tp > 1 else {}
+        split = {what: size for what, size in sizes.items() if size % tp}
+        if split:
+            raise ValueError(f"Invalid tp={tp}: tensor parallel splits whole heads and MLP columns, and the model's "
+                             + ", ".join(f"{size} {what}" for what, size in split.items())
+                             + f" do not divide by {tp}.")
         if self.group_size % ep or config.n_experts % ep:
             raise ValueError(f"Invalid ep={ep}: it must divide a stage's {self.group_size} ranks and the "
                              f"{config.n_experts} experts.")

@@ -103,6 +103,11 @@ BAD_INPUTS = [
     (["demo", "--seq-len", "1000"], "--seq-len", "max_seq_len 512"),
     (["demo", "--threads", "0"], "--threads", "0"),
     (["plan", "--layers", "1000000"], "--layers", "at most 1024"),  # refused at once, not after minutes
+    # layouts the model cannot have: tensor parallel splits whole heads (32 query, 8 key/value heads)
+    (["plan", "--model", "llama-3.1-8b", "--world-size", "64", "--tp", "16"], "--tp/--pp/--ep",
+     "8 key/value heads do not divide by 16"),
+    (["plan", "--model", "llama-3.1-8b", "--world-size", "65536", "--tp", "65536"], "--tp/--pp/--ep",
+     "32 query heads, 8 key/value heads, 14336 MLP width do not divide by 65536"),
 ]
 
 # runs larger than memory: refused before anything starts, naming the option (here 8 GiB are free)

@@ -160,7 +160,7 @@ def parallel_optimizer_plans(config, tp: int, pp: int, ep: int, moe: bool) -> di
 
 PARALLEL_CASES = {  # (preset, overrides, tp, pp, ep)
     "fsdp x tp": ("tiny", {}, 2, 1, 1),
-    "tp alone": ("tiny", {}, 4, 1, 1),
+    "tp alone": ("tiny", {"n_kv_heads": 4}, 4, 1, 1),  # whole key/value heads on each of the 4 ranks
     "pipeline stages": ("tiny", {"n_layers": 4}, 1, 2, 1),
     "pipeline x tp": ("tiny", {"n_layers": 4}, 2, 2, 1),  # each stage TP alone
     "experts on dim 0": ("qwen3-30b-a3b", dict(TINY_MOE, n_experts=4), 1, 1, 2),
