@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dmuon.tensors import label
@@ -330,3 +330,40 @@ def piece_of(whole: Tensor, mesh, placements) -> Tensor:
     """This rank's piece of a whole tensor every rank holds, for a DTensor layout (no
     communication: every rank cuts its own)."""
     return distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
+
+
+# ---------------------------------------------------------------- FSDP2 after a backward pass that raised
+
+
+def fsdp_states(model: nn.Module | None) -> list[Any]:
+    """The FSDP2 states of ``model``'s modules (none without FSDP2 or a model)."""
+    if model is None:
+        return []
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    return [state for module in model.modules() if (state := _get_module_fsdp_state(module)) is not None]
+
+
+def fsdp_left_in_backward(states: Sequence[Any]) -> bool:
+    """Whether FSDP2 is still in a backward pass that raised: outside any backward pass, some
+    module's parameters are in its backward states. FSDP2 (torch 2.13) resets them only at the
+    end of a backward pass that completes; until then its modules keep their unsharded
+    parameters and no later backward pass reduces a gradient (the sharded parameters get none)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    if torch._C._current_graph_task_id() != -1:
+        return False
+    stuck = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+    return any(getattr(getattr(s, "_fsdp_param_group", None), "_training_state", None) in stuck for s in states)
+
+
+def finish_fsdp_backward(states: Sequence[Any]) -> bool:
+    """Where FSDP2 is left in a backward pass that raised (:func:`fsdp_left_in_backward`), run
+    the end of that pass as FSDP2 does when one completes (its root's final callback: the
+    reduce-scatters of the gradients the pass reached — collective, as every rank caught the
+    failure at the same point —, resharding, its states reset). Whether it did."""
+    if not fsdp_left_in_backward(states):
+        return False
+    for root in [s for s in states if getattr(s, "_is_root", False)]:
+        root._root_post_backward_final_callback()
+    return True

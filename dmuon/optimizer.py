@@ -181,11 +181,11 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's ``zero_grad``; then what follows the steps (a :class:`dmuon.QKClip`) drops
-        what it recorded for the gradients that are gone. Local: not collective."""
-        super().zero_grad(set_to_none)
-        for companion in self._stepper.companions:
-            companion.discard()
+        """torch's ``zero_grad``; then early start and what follows the steps (a
+        :class:`dmuon.QKClip`) drop what they took of the gradients that are gone. Local, but
+        where FSDP2 was left in a backward pass that raised (caught on every rank at the same
+        point), it first finishes that pass as FSDP2 does when one completes (collective)."""
+        self._stepper.zero_grad(partial(super().zero_grad, set_to_none))
 
     def register_ddp_comm_hook(self, model: nn.Module) -> None:
         """Let early start begin each bucket's Newton–Schulz once DDP's all-reduce of it is done.

@@ -223,6 +223,7 @@ class _Run:
 
     def __init__(self, plan: StepPlan, state: dict, engine: Engine, stream: Any,
                  group: dist.ProcessGroup | None = None) -> None:
+        self.made_with = (plan, state, engine, stream, group)  # for :meth:`again`
         self.plan = plan
         self.values = EarlyValues(plan, state)
         self.engine, self.stream = engine, stream
@@ -242,9 +243,16 @@ class _Run:
         self.started = False
         self.next: Bucket | None = self.order[0] if self.order else None  # the bucket the run waits for
         self.repeated = False  # a gradient was final twice (a second backward pass)
-        # the backward pass it read raised (owner sharding says so): unused, and early start stays on
-        self.abandoned = False
         self.reducing: Reducing | None = None  # DDP's bucket whose all-reduce was started last
+
+    @property
+    def touched(self) -> bool:
+        """Whether a gradient reached the run (it read something, or holds a backward pass back)."""
+        return bool(self.seen) or self.held_back is not None or self.started or self.reducing is not None
+
+    def again(self) -> _Run:
+        """A new run of the same plan, for a backward pass that begins anew."""
+        return _Run(*self.made_with)
 
     def _waiting(self) -> dict[Bucket, set[int]]:
         """The parameters each bucket waits for."""
@@ -254,8 +262,6 @@ class _Run:
     def ready(self, p: Tensor, held: bool = False) -> None:
         """``p``'s gradient is final: start every bucket whose gradients all are, in order.
         ``held``: this rank holds this backward pass back (``Muon.accumulating()``)."""
-        if self.abandoned:
-            return
         if self.held_back is not None:
             if id(p) not in self.held_back:
                 self.held_back.add(id(p))
@@ -333,16 +339,14 @@ class _Run:
         """Whether this rank can apply the held updates (:attr:`dmuon.agreement.Agreed.early`),
         once finished: USED when the gradients and buffers it read are there now, unchanged, with
         the same momentum options; NOT_USED when a gradient is missing, the state changed (a loaded
-        state dict, a changed momentum, a momentum buffer written to, also through ``.data``) or
-        the backward pass it read raised; CHANGED when a gradient changed after it was read.
+        state dict, a changed momentum, a momentum buffer written to, also through ``.data``);
+        CHANGED when a gradient changed after it was read.
 
         A gradient is unchanged when the tensor read is at the version read and ``param.grad``
         either lies in the memory read with the digest read (some in-place changes leave the
         version as it was: GradScaler's unscaling, foreach ops on DTensors) or (DDP without
         ``gradient_as_bucket_view``, which copies its reduced bucket into ``param.grad`` at the
         end of the backward pass) has the bits of the tensor read."""
-        if self.abandoned:
-            return NOT_USED
         if self.repeated:
             return CHANGED
         code = USED
@@ -507,6 +511,13 @@ class EarlyStart:
             run.finish()
         return run
 
+    def restart(self) -> None:
+        """The gradients the current run read are gone (zeroed; the backward pass that gave them
+        raised): a run a gradient reached starts over on its plan. What it began, it began on
+        every rank alike (each caught the failure at the same point), and it is let go."""
+        if self._run is not None and self._run.touched:
+            self._run = self._run.again()
+
     def turn_off(self, why: str) -> None:
         self.setting = False
         self.state, self.reason = State.OFF, why
@@ -586,11 +597,11 @@ def _ready_weakly(early: weakref.ref, p: Tensor) -> None:
 
 def _final_weakly(early: weakref.ref, params: Sequence[Tensor] | None) -> None:
     """An owner sharding's listener: each parameter as its hook would (:func:`_ready_weakly`);
-    None: the backward pass that gave the earlier ones raised."""
+    None: the backward pass that gave the earlier ones raised, so the run starts over."""
     if params is None:
         alive = early()
-        if alive is not None and alive._run is not None:
-            alive._run.abandoned = True
+        if alive is not None:
+            alive.restart()
         return
     for p in params:
         _ready_weakly(early, p)

@@ -24,7 +24,7 @@ from dmuon import param_groups
 from dmuon.agreement import Fingerprint, PreparedStep, agree_on_step, digest_words
 from dmuon.exchange import GroupRef, collective_device
 from dmuon.hyperparameters import EngineOptions
-from dmuon.layout import owned_by, owner_shardings
+from dmuon.layout import finish_fsdp_backward, fsdp_left_in_backward, fsdp_states, owned_by, owner_shardings
 from dmuon.planner import Plan
 from dmuon.step.early_start import CHANGED, USED, EarlyStart, unsupported_because, wanted
 from dmuon.step.elementwise import adamw_steps, update_momentum_of
@@ -59,7 +59,7 @@ class Stepper:
     """
 
     # rebuilt from the options after a deep copy or unpickling; the companions stay with the original
-    _LEFT_OUT = ("kernels", "engine", "planner", "plan", "companions", "model")
+    _LEFT_OUT = ("kernels", "engine", "planner", "plan", "companions", "model", "fsdp")
 
     def __init__(self, options: EngineOptions, replicas: GroupRef, job: GroupRef) -> None:
         self.options, self.replicas, self.job = options, replicas, job
@@ -71,6 +71,7 @@ class Stepper:
         self.update_squares: dict[int, list] = {}  # id(param group) -> [sum of squares, elements], last step
         self.companions: list[StepCompanion] = []
         self.model: Callable[[], nn.Module | None] = lambda: None  # whose meta parameters a step follows
+        self.fsdp: list[Any] | None = None  # the model's FSDP2 states, once looked up
         self.structure_words: list[int] | None = None  # the configuration the ranks agreed on last
         self.checked_settings: list[tuple[str, str]] = []
         self.build()
@@ -84,8 +85,23 @@ class Stepper:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.companions, self.model = [], lambda: None
+        self.companions, self.model, self.fsdp = [], lambda: None, None
         self.build()
+
+    def zero_grad(self, clear: Callable[[], None]) -> None:
+        """:meth:`dmuon.Muon.zero_grad`: FSDP2 left in a backward pass that raised is finished
+        first (:func:`dmuon.layout.finish_fsdp_backward`: collective then, as every rank caught
+        it), then ``clear()``; early start's run and the companions drop what they took."""
+        finish_fsdp_backward(self.fsdp_states())
+        clear()
+        self.early.restart()
+        for companion in self.companions:
+            companion.discard()
+
+    def fsdp_states(self) -> list[Any]:
+        if self.fsdp is None:
+            self.fsdp = fsdp_states(self.model())
+        return self.fsdp
 
     # ------------------------------------------------------------------ agreement and plans
 
@@ -220,6 +236,11 @@ class Stepper:
         checked as the constructor checks them, and whether early start's ``run`` can be used.
         A rank without a run has nothing of its own to redo: where ranks' plans differ (owner
         sharding, a rank that steps nothing) they exchange nothing; elsewhere none has a run."""
+        if fsdp_left_in_backward(self.fsdp_states()):
+            raise RuntimeError("FSDP2 is still in a backward pass that raised (it resets itself only when one "
+                               "completes): it no longer reduces gradients, so this step would change nothing. Call "
+                               "the optimizer's zero_grad() after catching the exception, on every rank: it finishes "
+                               "FSDP2's pass first.")
         param_groups.follow_meta_parameters(groups, self.model())
         params = [p for group in groups for p in group["params"]]
         replicas = [algorithm == "muon" and not isinstance(p, DTensor) and owned_by(p) is None

@@ -618,3 +618,72 @@ def test_fsdp2_gradients_zeroed_in_place_keep_early_start_on_and_the_bits(world,
         assert on["status"] == "on" and on["warnings"] == 0
         for name, value in off["params"].items():
             assert torch.equal(on["params"][name], value), name
+
+
+def _fsdp_through_a_failed_backward(fail: bool, zero_grad_by: str, early_start: bool, dtype: torch.dtype) -> dict:
+    """Three steps of the MLP, each Linear fully_shard-ed; with ``fail``, before the second
+    step a backward pass raises on every rank after the two last layers' gradients were
+    reduced (an out-of-memory error, caught), and the loop zeroes the gradients by
+    ``zero_grad_by`` ("optimizer" or "model") and goes on."""
+    import torch.distributed as dist
+
+    model = tiny_mlp(dtype=dtype)
+    _fully_shard_each(model)
+    opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
+    failing = []
+
+    def fail_later(module, args, out):
+        if failing:
+            out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory (a test's)")))
+
+    model[1].register_forward_hook(fail_later)
+
+    def backward(seed: int) -> None:
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed + dist.get_rank())).to(dtype)
+        model(x).float().square().mean().backward()
+
+    early, error = [], None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            if fail and step == 1:
+                failing.append(True)
+                with pytest.raises(RuntimeError, match="a test's"):
+                    backward(1000)
+                failing.clear()
+                (opt if zero_grad_by == "optimizer" else model).zero_grad()
+            backward(10 * step)
+            try:
+                opt.step()
+            except RuntimeError as err:
+                error = str(err)
+                break
+            opt.zero_grad()
+            early.append(opt.last_step_stats.early_buckets)
+    return dict(params=whole_params(model) if error is None else None, early=early, status=opt.early_start,
+                error=error, warnings=[str(w.message) for w in caught if "early start" in str(w.message)])
+
+
+@pytest.mark.parametrize("world,early_start,dtype", [(2, True, torch.float32), (3, True, torch.float32),
+                                                     (2, True, torch.bfloat16), (2, False, torch.float32)])
+def test_fsdp2_after_a_caught_backward_exception_trains_on_with_early_start(world, early_start, dtype):
+    """FSDP2 (torch 2.13) stays in a backward pass that raises and reduces no later gradient;
+    the optimizer's zero_grad() finishes that pass as FSDP2 would, so the run equals the one
+    without the failed pass, bitwise, and early start goes on beginning every bucket early."""
+    failed = run_on_ranks(world, _fsdp_through_a_failed_backward, True, "optimizer", early_start, dtype)
+    control = run_on_ranks(world, _fsdp_through_a_failed_backward, False, "optimizer", early_start, dtype)
+    for r, c in zip(failed, control):
+        assert r["error"] is None and r["warnings"] == [] and r["status"] == c["status"]
+        assert r["early"] == c["early"]
+        if early_start:
+            assert all(0 < begun == total for begun, total in r["early"][1:]), r["early"]  # all begun in backward
+        for name, value in c["params"].items():
+            assert torch.equal(r["params"][name], value), name
+
+
+def test_a_step_after_fsdp2_was_left_in_a_failed_backward_is_refused_on_every_rank():
+    """The model's own zero_grad() leaves FSDP2 in the failed pass: the step would change
+    nothing, and every rank says so, naming the fix."""
+    results = run_on_ranks(2, _fsdp_through_a_failed_backward, True, "model", True, torch.float32)
+    assert all(r["error"] is not None and "FSDP2 is still in a backward pass that raised" in r["error"]
+               and "zero_grad()" in r["error"] for r in results)
