@@ -41,6 +41,7 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
+from dmuon.orthogonalization import default_dtype
 from dmuon.tools.models import LlamaConfig, VLAConfig
 from dmuon.tools.workloads import build_model, local_batch, make_data, training_loss
 
@@ -225,8 +226,12 @@ def measure_check_rate(numel: int = 1 << 20, reps: int = 9) -> float:
     return numel / _best_seconds(lambda: finite_flags([x]), reps)
 
 
-def _bf16_products(m: int, k: int, reps: int) -> None:
-    a, b = torch.randn(m, k).to(torch.bfloat16), torch.randn(k, m).to(torch.bfloat16)
+def _products(m: int, k: int, reps: int) -> None:
+    """``reps`` (m×k)·(k×m) products in the dtype dmuon's Newton–Schulz takes on this CPU: bf16
+    where its products are native, fp32 where they are emulated (at about a tenth of fp32's
+    rate there, the measurement would take minutes and time a kernel the ranks do not run)."""
+    dtype = default_dtype("cpu", "standard")
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, m).to(dtype)
     for _ in range(reps):
         a @ b
 
@@ -234,18 +239,18 @@ def _bf16_products(m: int, k: int, reps: int) -> None:
 def _products_worker(barrier, results, m: int, k: int, reps: int, trials: int) -> None:
     """One stand-in rank: after each barrier, the same products as the parent timed alone."""
     torch.set_num_threads(1)
-    _bf16_products(m, k, 1)  # warm-up
+    _products(m, k, 1)  # warm-up
     for _ in range(trials):
         barrier.wait()
         start = time.perf_counter()
-        _bf16_products(m, k, reps)
+        _products(m, k, reps)
         results.put(time.perf_counter() - start)
 
 
 def measure_parallel_efficiency(cores: int, processes: int, m: int = 512, k: int = 2048, reps: int = 8,
                                 trials: int = 5) -> tuple[float, float]:
     """(efficiency, other jobs' cores): ``processes`` single-threaded *processes* — as the ranks
-    are — run the same bf16 products at once on ``cores`` cores; the efficiency is the rate at
+    are — run the same products (:func:`_products`) at once on ``cores`` cores; the efficiency is the rate at
     which the slowest of them finishes (a synchronous step waits for its slowest rank) over
     what a fair share of the free cores would give, ``min(1, free cores / processes)`` of one
     process alone. The median of ``trials`` (``dmuon bench`` reports medians), corrected for the
@@ -256,7 +261,7 @@ def measure_parallel_efficiency(cores: int, processes: int, m: int = 512, k: int
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        alone = _best_seconds(lambda: _bf16_products(m, k, reps), 3)
+        alone = _best_seconds(lambda: _products(m, k, reps), 3)
     finally:
         torch.set_num_threads(previous)
     ctx = multiprocessing.get_context("spawn")
