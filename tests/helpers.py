@@ -290,6 +290,26 @@ def tiny_mlp(seed: int = 0, layers: int = 4, dtype: torch.dtype = torch.float32)
     return nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)]).to(dtype)
 
 
+def failing_backward(model: nn.Module, dtype: torch.dtype) -> tuple[Callable[[int], None], list]:
+    """For :func:`tiny_mlp`: ``backward(seed)``, a backward pass of each rank's own batch of that
+    seed, and ``failing``, a switch: while it holds an item, a backward pass raises an
+    out-of-memory error (a test's) after the gradients of the layers above ``model[1]`` (the
+    two last) arrived, as a caught OOM in the middle of a backward pass does."""
+    failing: list = []
+
+    def fail_later(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if failing:
+            out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory (a test's)")))
+
+    model[1].register_forward_hook(fail_later)
+
+    def backward(seed: int) -> None:
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed + dist.get_rank())).to(dtype)
+        model(x).float().square().mean().backward()
+
+    return backward, failing
+
+
 def assert_same_run(a: dict, b: dict) -> None:
     """Two of :func:`train_llama`'s results: the same losses and bitwise the same parameters."""
     assert a["losses"] == b["losses"]

@@ -20,6 +20,7 @@ from tests.helpers import (
     SMALL_BUCKET_BYTES,
     assert_same_run,
     change_gradients,
+    failing_backward,
     single_process,
     tiny_mlp,
     train_llama,
@@ -625,22 +626,11 @@ def _fsdp_through_a_failed_backward(fail: bool, zero_grad_by: str, early_start: 
     step a backward pass raises on every rank after the two last layers' gradients were
     reduced (an out-of-memory error, caught), and the loop zeroes the gradients by
     ``zero_grad_by`` ("optimizer" or "model") and goes on."""
-    import torch.distributed as dist
 
     model = tiny_mlp(dtype=dtype)
     _fully_shard_each(model)
     opt = dmuon.Muon(model, lr=0.02, bucket_bytes=32 * 32 * 4, early_start=early_start)
-    failing = []
-
-    def fail_later(module, args, out):
-        if failing:
-            out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory (a test's)")))
-
-    model[1].register_forward_hook(fail_later)
-
-    def backward(seed: int) -> None:
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed + dist.get_rank())).to(dtype)
-        model(x).float().square().mean().backward()
+    backward, failing = failing_backward(model, dtype)
 
     early, error = [], None
     with warnings.catch_warnings(record=True) as caught:

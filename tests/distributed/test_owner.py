@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 import dmuon
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
 from tests.harness import run_on_ranks
-from tests.helpers import GLOBAL_BATCH, SEQ_LEN, error_of, single_process, whole_params
+from tests.helpers import GLOBAL_BATCH, SEQ_LEN, error_of, failing_backward, single_process, whole_params
 from tests.helpers import LLAMA_HPARAMS as HPARAMS
 from tests.helpers import LLAMA_STEPS as STEPS
 from tests.helpers import train_llama as train_reference
@@ -379,20 +379,10 @@ def train_through_a_failed_backward(batches: list[int], fail_at: int | None, res
     model = tiny_mlp(dtype=dtype)
     dmuon.shard_by_owner(model, layers=list(model), reshard_after_forward=reshard_after_forward)
     opt = dmuon.Muon(model, lr=0.02, early_start=early_start, bucket_bytes=SMALL_BUCKET_BYTES)
-    failing = []
-
-    def fail(grad):
-        raise RuntimeError("out of memory (a test's)")
-
-    def fail_later(module, args, out):
-        if failing:
-            out.register_hook(fail)
-
-    model[1].register_forward_hook(fail_later)
+    backward, failing = failing_backward(model, dtype)
 
     def forward_backward(batch: int) -> None:
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * batch + dist.get_rank())).to(dtype)
-        model(x).float().square().mean().backward()
+        backward(100 * batch)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -439,17 +429,7 @@ def accumulate_through_a_failed_backward(fail: bool, first_in_no_sync: bool, res
     model = tiny_mlp(dtype=dtype)
     sharding = dmuon.shard_by_owner(model, layers=list(model), reshard_after_forward=reshard_after_forward)
     opt = dmuon.Muon(model, lr=0.02)
-    failing = []
-
-    def fail_later(module, args, out):
-        if failing:
-            out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory (a test's)")))
-
-    model[1].register_forward_hook(fail_later)
-
-    def backward(seed: int) -> None:
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed + dist.get_rank())).to(dtype)
-        model(x).float().square().mean().backward()
+    backward, failing = failing_backward(model, dtype)
 
     refused = []
     for step in range(2):
