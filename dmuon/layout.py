@@ -337,9 +337,12 @@ def piece_of(whole: Tensor, mesh, placements) -> Tensor:
 
 def fsdp_states(model: nn.Module | None) -> list[Any]:
     """The FSDP2 states of ``model``'s modules (none without FSDP2 or a model)."""
+    try:  # FSDP2's private module (torch 2.6 and later, as tested with 2.13)
+        from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+    except ImportError:
+        return []
     if model is None:
         return []
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
     return [state for module in model.modules() if (state := _get_module_fsdp_state(module)) is not None]
 
@@ -349,10 +352,10 @@ def fsdp_left_in_backward(states: Sequence[Any]) -> bool:
     module's parameters are in its backward states. FSDP2 (torch 2.13) resets them only at the
     end of a backward pass that completes; until then its modules keep their unsharded
     parameters and no later backward pass reduces a gradient (the sharded parameters get none)."""
+    if not states or torch._C._current_graph_task_id() != -1:
+        return False
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    if torch._C._current_graph_task_id() != -1:
-        return False
     stuck = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
     return any(getattr(getattr(s, "_fsdp_param_group", None), "_training_state", None) in stuck for s in states)
 
