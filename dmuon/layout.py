@@ -32,6 +32,7 @@ job's ranks with no process group of exactly its ranks (pass one as ``process_gr
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -76,15 +77,18 @@ class Layout:
         return math.prod(self.shape[1:])
 
 
-def chunk_sizes(rows: int, shards: int) -> list[int]:
-    """``torch.chunk`` sizes of ``rows`` over ``shards``: ⌈rows/shards⌉ each until rows run out."""
-    return chunk_size_vector(rows, shards).tolist()
-
-
-def chunk_size_vector(rows: int, shards: int) -> Tensor:
-    """:func:`chunk_sizes` as an int64 vector (plans span up to 65536 ranks: no loop over them)."""
+@functools.lru_cache(maxsize=4096)
+def chunk_sizes(rows: int, shards: int) -> tuple[int, ...]:
+    """``torch.chunk`` sizes of ``rows`` over ``shards``: ⌈rows/shards⌉ each until rows run out
+    (kept: a step asks for them per matrix, and a plan of 65536 ranks for few distinct ones)."""
     per = -(-rows // shards) if rows else 0
-    return (rows - torch.arange(shards, dtype=torch.int64) * per).clamp_(0, per)
+    return tuple(max(0, min(per, rows - s * per)) for s in range(shards))
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_size_vector(rows: int, shards: int) -> Tensor:
+    """:func:`chunk_sizes` as an int64 vector (shared: never written to)."""
+    return torch.tensor(chunk_sizes(rows, shards), dtype=torch.int64)
 
 
 class OwnerShardingHandle(Protocol):

@@ -30,7 +30,7 @@ def test_chunk_sizes_follow_torch_chunk():
         for shards in range(1, 6):
             expected = [len(c) for c in torch.chunk(torch.empty(rows), shards)] if rows else []
             expected += [0] * (shards - len(expected))
-            assert chunk_sizes(rows, shards) == expected
+            assert list(chunk_sizes(rows, shards)) == expected
 
 
 @pytest.mark.parametrize("world", [1, 3, 8, 64])
