@@ -303,8 +303,15 @@ def routes(groups: Sequence[dict[str, Any]]) -> dict[str, Route]:
 
 
 # Names of fused projections (several weights stacked in one): Newton–Schulz of the whole differs
-# from that of each block, which ``ns_blocks`` gives.
-FUSED_NAMES = ("qkv", "query_key_value", "in_proj", "gate_up", "w13", "c_attn")
+# from that of each block, which ``ns_blocks`` gives. "in_proj" only at the start of a name's part
+# (nn.MultiheadAttention's in_proj_weight): a policy's action_in_proj is one projection.
+FUSED_NAMES = ("qkv", "query_key_value", "gate_up", "w13", "c_attn")
+
+
+def looks_fused(name: str) -> bool:
+    """Whether a parameter's name says it holds several projections stacked in one."""
+    parts = name.lower().split(".")
+    return any(f in part for part in parts for f in FUSED_NAMES) or any(p.startswith("in_proj") for p in parts)
 
 
 def default_dtype_reasons(groups: Sequence[dict[str, Any]]) -> list[str]:
@@ -324,8 +331,9 @@ def fused_hint(name: str, m: int, n: int) -> str:
 
 
 def routing_summary(groups: Sequence[dict[str, Any]]) -> str:
-    """A table: every parameter, its shape, the algorithm, the matrices Muon sees, and why; then
-    a note for each matrix whose name says it fuses projections (see :func:`fused_hint`)."""
+    """A table: every parameter, its shape, the algorithm (", frozen" where it does not require a
+    gradient: in no step while so), the matrices Muon sees, and why; then a note for each trained
+    matrix whose name says it fuses projections (see :func:`fused_hint`)."""
     rows = [("group", "parameter", "shape", "algorithm", "matrices", "why")]
     notes = []
     for g, group in enumerate(groups):
@@ -335,11 +343,12 @@ def routing_summary(groups: Sequence[dict[str, Any]]) -> str:
             if algorithm == "muon":
                 count, m, n = matrix_shape(p.shape, group["matrix_views"][i])
                 matrices = f"{count} x {m}x{n}"
-                if group["ns_blocks"] is None and any(f in name.lower() for f in FUSED_NAMES):
+                if group["ns_blocks"] is None and p.requires_grad and looks_fused(name):
                     notes.append(fused_hint(name, m, n))
             else:
                 matrices = "-"
-            rows.append((str(g), name, "x".join(map(str, p.shape)), algorithm, matrices, group[ROUTE_REASONS][i]))
+            shown = algorithm if p.requires_grad else f"{algorithm}, frozen"
+            rows.append((str(g), name, "x".join(map(str, p.shape)), shown, matrices, group[ROUTE_REASONS][i]))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(table + notes)

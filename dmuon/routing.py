@@ -10,6 +10,11 @@ Default rule, in order (first match wins):
    ``classifier``, ``score`` or ``embed_out``, or it is a Linear whose
    ``out_features`` equals an embedding's vocabulary (tied heads are
    caught by rule 2, since they *are* the embedding's tensor)       → AdamW
+   — and a robot policy's action and state input/output projections, by
+   their module's name (:data:`ACTION_IO_NAME`: openpi's and LeRobot's
+   ``action_in_proj``, ``action_out_proj``, ``state_proj``): they map a
+   low-dimensional action or state vector into the model's width and back,
+   the embedding and head of a vision–language–action model         → AdamW
 4. a convolution kernel (``nn.Conv*`` weight) → Muon on the kernel flattened to (out, in·k…)
 5. 2-D → Muon on the matrix; other 3-D → Muon on a stack of matrices (expert weights ``(E, m, n)``);
    4-D and more → Muon on the flattened kernel (the layout of conv weights).
@@ -21,6 +26,7 @@ A param group's ``"algorithm"`` key ("muon"/"adamw") and ``"matrix_view"`` key o
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -34,6 +40,10 @@ MATRIX_VIEWS: tuple[str, ...] = ("auto", "flatten", "batch")
 
 HEAD_MODULE_NAMES = frozenset({"lm_head", "output", "head", "classifier", "score", "embed_out"})
 EMBEDDING_NAMES = frozenset({"wte", "wpe"})
+# A policy's action/state input and output layers, by module name (openpi's and LeRobot's π0,
+# π0.5 and SmolVLA: action_in_proj, action_out_proj, state_proj): the name, not the shape,
+# decides, since a shape rule (a side of a few dozen) would also take LoRA factors and small heads.
+ACTION_IO_NAME = re.compile(r"(action|actions|state|proprio)_(in_|out_)?proj")
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
@@ -80,6 +90,8 @@ def _role_from_name(name: str | None) -> str | None:
         return "embedding"
     if module_name in HEAD_MODULE_NAMES:
         return "head"
+    if ACTION_IO_NAME.fullmatch(module_name):
+        return "action/state projection"
     return None
 
 
@@ -94,6 +106,8 @@ def default_route(param: Tensor, name: str | None = None, role: str | None = Non
         return Route("adamw", "auto", "embedding")
     if role == "head":
         return Route("adamw", "auto", "output head")
+    if role == "action/state projection":
+        return Route("adamw", "auto", "action/state input or output projection")
     if role == "conv" or param.ndim >= 4:
         # "auto" already flattens 4-D and more; only a 3-D (Conv1d) kernel needs saying so.
         route = Route("muon", "flatten" if param.ndim == 3 else "auto", "convolution kernel, flattened")

@@ -174,12 +174,12 @@ class VLAConfig:
     [image patches, prompt tokens], and an action expert — a decoder of the language model's
     depth and attention heads at a width of its own — over ``action_steps`` action tokens, which
     attend to the language model's keys and values at every layer (one attention per depth over
-    both streams). Its input and output are ``action.embed``/``action.head`` (action_size ↔ its
-    width). ``freeze_vision``: the tower is not trained (the usual recipe), so its matrices are
+    both streams). Its input and output are ``action_in_proj``/``action_out_proj`` (action_size ↔
+    its width; openpi's and LeRobot's names). ``freeze_vision``: the tower is not trained (the usual recipe), so its matrices are
     in no optimizer's step.
 
     Routing (``dmuon.Muon(model)``): the blocks' matrices and the projector to Muon; the token
-    embedding, ``lm_head``, the action embed/head, norms and biases to AdamW, and — when the tower
+    embedding, ``lm_head``, the action input/output projections, norms and biases to AdamW, and — when the tower
     trains — its patch convolution and position embedding to AdamW too: they are the tower's
     input embedding, which Muon's rule leaves to AdamW like a token embedding (a convolution
     named ``*embed*`` is an embedding to dmuon's routing, not a hidden kernel to flatten).

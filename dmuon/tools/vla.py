@@ -117,11 +117,11 @@ class VLA(nn.Module):
         self.lm_head = nn.Linear(lm.dim, lm.vocab_size, bias=False)
         if lm.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.action = nn.ModuleDict({"embed": nn.Linear(config.action_size, act.dim),
-                                     "norm": nn.RMSNorm(act.dim, eps=act.norm_eps),
-                                     # no bias, as lm_head: the model's outputs are then no views,
-                                     # which FSDP2's root would warn about
-                                     "head": nn.Linear(act.dim, config.action_size, bias=False)})
+        # openpi's and LeRobot's names for the action expert's input and output layers
+        self.action_in_proj = nn.Linear(config.action_size, act.dim)
+        self.action_norm = nn.RMSNorm(act.dim, eps=act.norm_eps)
+        # no bias, as lm_head: the model's outputs are then no views, which FSDP2's root would warn about
+        self.action_out_proj = nn.Linear(act.dim, config.action_size, bias=False)
         self.init_weights(seed)
         self.vision.requires_grad_(not config.freeze_vision)
 
@@ -148,14 +148,14 @@ class VLA(nn.Module):
         with frozen:
             patches = self.vision(images)
         x = torch.cat((self.projector(patches), self.embed_tokens(tokens)), dim=1)
-        a = self.action["embed"](noisy_actions)
+        a = self.action_in_proj(noisy_actions)
         cos, sin = _rotary_cos_sin(x.shape[1] + a.shape[1], config.language.head_dim, config.language.rope_theta,
                                    tokens.device)
         mask = joint_mask(x.shape[1], a.shape[1], tokens.device)
         for layer in self.layers:
             x, a = layer(x, a, cos, sin, mask)
         logits = self.lm_head(self.norm(x[:, patches.shape[1]:]))
-        return logits, self.action["head"](self.action["norm"](a))
+        return logits, self.action_out_proj(self.action_norm(a))
 
 
 class EpisodeBatch(NamedTuple):

@@ -59,7 +59,7 @@ def test_routing_sends_the_towers_input_embedding_to_adamw_and_its_blocks_to_muo
     assert routes["vision.pos_embed"].algorithm == "adamw"
     assert routes["vision.layers.0.q_proj.weight"].algorithm == "muon"
     assert routes["projector.weight"].algorithm == "muon"
-    for name in ("embed_tokens.weight", "action.embed.weight", "action.head.weight"):
+    for name in ("embed_tokens.weight", "action_in_proj.weight", "action_out_proj.weight"):
         assert routes[name].algorithm == "adamw", name
 
 

@@ -208,3 +208,38 @@ def test_a_convolution_named_as_an_embedding_is_an_embedding_and_frozen_ones_are
     assert [u.name for u in opt.plan.units] == ["conv.weight", "hidden.weight"]
     vit["frozen"].requires_grad_(True)
     assert [u.name for u in opt.plan.units] == ["conv.weight", "hidden.weight", "frozen.weight"]
+
+
+@pytest.mark.parametrize("style", ["openpi", "lerobot"])
+def test_a_policy_s_action_and_state_projections_go_to_adamw_by_name(style):
+    """openpi's PyTorch π0 keeps its projections on the model, LeRobot's π0 / SmolVLA under
+    ``model.``: both name them action_in_proj, action_out_proj, state_proj. They are the policy's
+    input and output layers (an action or state vector to the width and back), not hidden matrices;
+    the time MLP between them is hidden. Other names with "state" or "proj" stay on Muon."""
+    policy = nn.ModuleDict({"action_in_proj": nn.Linear(32, 64), "action_out_proj": nn.Linear(64, 32),
+                            "state_proj": nn.Linear(32, 64), "action_time_mlp_in": nn.Linear(128, 64),
+                            "hidden_state_proj_up": nn.Linear(64, 64), "in_proj": nn.Linear(64, 192)})
+    model = policy if style == "openpi" else nn.ModuleDict({"model": policy})
+    prefix = "" if style == "openpi" else "model."
+    opt = dmuon.Muon(model)
+    routes = opt.routes()
+    for name in ("action_in_proj", "action_out_proj", "state_proj"):
+        route = routes[f"{prefix}{name}.weight"]
+        assert (route.algorithm, route.reason) == ("adamw", "action/state input or output projection"), name
+    for name in ("action_time_mlp_in", "hidden_state_proj_up", "in_proj"):
+        assert routes[f"{prefix}{name}.weight"].algorithm == "muon", name
+    # the fused-projection note names nn.MultiheadAttention-style in_proj, not action_in_proj
+    notes = [line for line in opt.routing_summary().splitlines() if line.startswith("note:")]
+    assert [note.split()[1] for note in notes] == [f"{prefix}in_proj.weight"]
+
+
+def test_routing_summary_marks_frozen_parameters():
+    """A frozen tower's matrices stay routed to Muon (they join the step once they train) but the
+    summary says they are frozen, and notes no fused projection among them."""
+    model = nn.ModuleDict({"tower": nn.ModuleDict({"qkv": nn.Linear(8, 24)}), "hidden": nn.Linear(8, 8)})
+    model["tower"].requires_grad_(False)
+    summary = dmuon.Muon(model).routing_summary()
+    rows = {line.split()[1]: line for line in summary.splitlines()[1:] if not line.startswith(("note", "ns_dtype"))}
+    assert "muon, frozen" in rows["tower.qkv.weight"] and "adamw, frozen" in rows["tower.qkv.bias"]
+    assert "frozen" not in rows["hidden.weight"]
+    assert "note:" not in summary
