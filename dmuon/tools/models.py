@@ -175,8 +175,8 @@ class VLAConfig:
     depth and attention heads at a width of its own — over ``action_steps`` action tokens, which
     attend to the language model's keys and values at every layer (one attention per depth over
     both streams). Its input and output are ``action_in_proj``/``action_out_proj`` (action_size ↔
-    its width; openpi's and LeRobot's names). ``freeze_vision``: the tower is not trained (the usual recipe), so its matrices are
-    in no optimizer's step.
+    its width; openpi's and LeRobot's names). ``freeze_vision``: the tower is not trained (the
+    usual recipe), so its matrices are in no optimizer's step.
 
     Routing (``dmuon.Muon(model)``): the blocks' matrices and the projector to Muon; the token
     embedding, ``lm_head``, the action input/output projections, norms and biases to AdamW, and — when the tower

@@ -1,9 +1,12 @@
-"""``dmuon quality``: AdamW vs torch.optim.Muon vs dmuon.Muon on real text, validation loss vs step.
+"""``dmuon quality``: AdamW vs torch.optim.Muon vs dmuon.Muon, validation loss vs step, each at
+the best lr of its sweep, over one or more seeds.
 
 ``dmuon demo`` trains each optimizer once, at one lr, for a quick look. This command sweeps the
-learning rates and measures validation loss, on text that every machine already has, so that
-nothing is downloaded: the source of the running Python's standard library
-(:mod:`dmuon.tools.corpus`).
+learning rates and measures validation loss on one of two workloads, with nothing downloaded:
+``--workload text`` (default), a byte-level Llama on the source of the running Python's standard
+library (:mod:`dmuon.tools.corpus`); ``--workload vla``, the embodied model ``vla-tiny``
+(:mod:`dmuon.tools.vla`: a frozen vision tower, a language model and an action expert) on its
+synthetic episodes, the validation set being episodes the run never trains on.
 
 Method:
 
@@ -18,12 +21,14 @@ Method:
   order. The validation set is fixed: ``val_batches * batch_size`` windows at evenly spaced
   offsets over the whole validation text.
 * **Runs.** Each optimizer (the factories of ``dmuon demo``) trains the model from the same seed,
-  hence the same initial weights, once per learning rate of its sweep, for the same number of
-  steps, under the same schedule (:func:`lr_factor`). The validation loss (mean cross-entropy in
-  nats per byte) is measured before training, every ``eval_every`` steps and after the last step.
+  hence the same initial weights, once per learning rate of its sweep and seed (``--seeds``), for
+  the same number of steps, under the same schedule (:func:`lr_factor`). The validation loss (text:
+  mean cross-entropy in nats per byte; VLA: the prompt's cross-entropy plus the actions' mean
+  squared error) is measured before training, every ``eval_every`` steps and after the last step.
+  Over several seeds a run's curve is the mean of the seeds' curves (:func:`mean_over_seeds`).
 * **Reading.** An optimizer's best learning rate is the one with the lowest final validation
-  loss. Its steps to the target are those of the first evaluation at or below ``--target-loss``
-  (so they are exact to ``eval_every`` steps); its seconds are the training time (forward,
+  loss (over seeds: the lowest mean). Its steps to the target are those of the first evaluation at
+  or below ``--target-loss`` (so they are exact to ``eval_every`` steps); its seconds are the training time (forward,
   backward, optimizer step) up to that evaluation, evaluations excluded. The runs go one after
   the other in one process, so seconds on a shared machine are noisier than steps.
 """
@@ -41,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from dmuon.tools.cli import (
     UsageError,
@@ -52,10 +58,15 @@ from dmuon.tools.cli import (
     positive_float,
     positive_int,
 )
-from dmuon.tools.corpus import VAL_EVERY, VOCAB_SIZE, Batch, Corpus, load_corpus, train_batch, val_batches
+from dmuon.tools.corpus import VAL_EVERY, VOCAB_SIZE, Corpus, load_corpus, train_batch, val_batches
 from dmuon.tools.demo import CONFIGS, OptimizerFactory
 from dmuon.tools.hardware import available_memory
-from dmuon.tools.models import Llama, LlamaConfig, param_count, training_bytes
+from dmuon.tools.models import Llama, LlamaConfig, VLAConfig, get_config, param_count, training_bytes
+from dmuon.tools.vla import VLA, SyntheticEpisodes, vla_loss
+from dmuon.tools.workloads import Batch
+
+WORKLOADS = ("text", "vla")
+VLA_PRESET = "vla-tiny"
 
 HEAD_DIM = 32
 
@@ -65,14 +76,18 @@ HEAD_DIM = 32
 # Four lrs each (the same budget), doubling, chosen after a first sweep of three (AdamW 2e-3,
 # 4e-3, 8e-3; both Muons 4e-3, 8e-3, 1.6e-2) put AdamW's best at its lowest lr and the Muons'
 # at their highest: each sweep now reaches past its best on the side where it was cut.
-DEFAULT_LRS: dict[str, tuple[float, ...]] = {
+DEFAULT_LRS: dict[str, dict[str, tuple[float, ...]]] = {"text": {
     "adamw": (5e-4, 1e-3, 2e-3, 4e-3),
     "torch-muon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
     "dmuon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
-}
+}}
 # Just above AdamW's best final loss in that first sweep (2.33), so that every optimizer can
 # reach it within the default budget and steps to it compare them.
-DEFAULT_TARGET_LOSS = 2.4
+DEFAULT_TARGET_LOSS = {"text": 2.4, "vla": 1.8}
+# The VLA: one sweep for all, doubling, after a first one (1e-3, 4e-3, 1.6e-2; seed 0, 300 steps)
+# put AdamW's and dmuon's best at 1.6e-2 with 4e-3 close behind: this one reaches past it.
+DEFAULT_LRS["vla"] = {name: (2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2) for name in ("adamw", "torch-muon", "dmuon")}
+DEFAULT_STEPS = {"text": 200, "vla": 300}
 
 
 # ---------------------------------------------------------------------------- training
@@ -95,14 +110,54 @@ def lr_factor(step: int, steps: int) -> float:
 
 
 @dataclass(frozen=True)
+class Task:
+    """What the runs train: ``build(seed)`` the model, ``batches(seed)`` its training batch of each
+    step and its validation batches, ``loss(model, batch)`` the mean loss of a batch."""
+
+    build: Callable[[int], nn.Module]
+    batches: Callable[[int], tuple[Callable[[int], Batch], list[Batch]]]
+    loss: Callable[[nn.Module, Batch], torch.Tensor]
+
+
+def text_task(corpus: Corpus, config: LlamaConfig, batch_size: int, val_count: int) -> Task:
+    """The byte-level Llama on the corpus: batches drawn by (seed, step), one fixed validation set."""
+    val = val_batches(corpus.val, val_count, batch_size, config.max_seq_len)
+
+    def batches(seed: int) -> tuple[Callable[[int], Batch], list[Batch]]:
+        return (lambda step: train_batch(corpus.train, step, batch_size, config.max_seq_len, seed)), val
+
+    return Task(lambda seed: Llama(config, seed=seed), batches, lambda model, batch: model.loss(*batch))
+
+
+# Validation episodes are those of steps the training never reaches (a batch is a pure function
+# of the seed and its step), from the same task: each seed draws its own action function.
+VAL_FIRST_STEP = 10**9
+
+
+def vla_task(config: VLAConfig, batch_size: int, val_count: int) -> Task:
+    """The embodied model on its synthetic episodes (the seed draws the weights and the task)."""
+    def batches(seed: int) -> tuple[Callable[[int], Batch], list[Batch]]:
+        episodes = SyntheticEpisodes(config, seed=seed)
+        val = [episodes.batch(VAL_FIRST_STEP + i, batch_size) for i in range(val_count)]
+        return (lambda step: episodes.batch(step, batch_size)), val
+
+    def loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+        return vla_loss(model(batch.images, batch.tokens, batch.noisy_actions), batch)
+
+    return Task(lambda seed: VLA(config, seed=seed), batches, loss)
+
+
+@dataclass(frozen=True)
 class Run:
-    """One optimizer at one learning rate: its validation curve."""
+    """One optimizer at one learning rate: its validation curve (over several seeds, their mean)."""
 
     optimizer: str
     lr: float
     steps: int  # steps trained; fewer than asked if the training loss stopped being finite
     diverged: bool
     curve: tuple[tuple[int, float, float], ...]  # (step, training seconds so far, validation loss)
+    seeds: tuple[int, ...] = (0,)
+    finals: tuple[float, ...] = ()  # each seed's final validation loss, over several seeds
 
     @property
     def final_val_loss(self) -> float | None:
@@ -110,9 +165,9 @@ class Run:
 
 
 @torch.no_grad()
-def evaluate(model: Llama, batches: Sequence[Batch]) -> float:
-    """Mean validation loss over ``batches`` (equal-sized, so the mean of means is the token mean)."""
-    return sum(model.loss(inputs, targets).item() for inputs, targets in batches) / len(batches)
+def evaluate(model: nn.Module, batches: Sequence[Batch], loss: Callable[[nn.Module, Batch], torch.Tensor]) -> float:
+    """Mean validation loss over ``batches`` (equal-sized, so the mean of means is the sample mean)."""
+    return sum(loss(model, batch).item() for batch in batches) / len(batches)
 
 
 def train_run(
@@ -120,43 +175,61 @@ def train_run(
     make_optimizer: OptimizerFactory,
     lr: float,
     *,
-    config: LlamaConfig,
-    corpus: Corpus,
-    val: Sequence[Batch],
+    task: Task,
     steps: int,
     eval_every: int,
-    batch_size: int,
     weight_decay: float,
     seed: int,
     progress: Callable[[int, float], None] | None = None,
 ) -> Run:
-    """Train ``Llama(config, seed)`` on ``corpus.train`` for ``steps`` steps at peak ``lr``.
+    """Train ``task``'s model of ``seed`` for ``steps`` steps at peak ``lr``.
 
     A run whose training loss is not finite stops there (``diverged``): its later steps would
     say nothing and cost as much as good ones. ``progress(step, val_loss)`` follows each evaluation.
     """
-    model = Llama(config, seed=seed)
+    model = task.build(seed)
+    batch_of, val = task.batches(seed)
     optimizers = make_optimizer(model, lr, weight_decay)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, steps)) for o in optimizers]
-    curve = [(0, 0.0, evaluate(model, val))]
+    curve = [(0, 0.0, evaluate(model, val, task.loss))]
     seconds = 0.0
     for step in range(1, steps + 1):
-        inputs, targets = train_batch(corpus.train, step - 1, batch_size, config.max_seq_len, seed)
+        batch = batch_of(step - 1)
         start = time.perf_counter()
         model.zero_grad(set_to_none=True)
-        loss = model.loss(inputs, targets)
+        loss = task.loss(model, batch)
         loss.backward()
         for opt, scheduler in zip(optimizers, schedulers):
             opt.step()
             scheduler.step()
         seconds += time.perf_counter() - start
         if not math.isfinite(loss.item()):
-            return Run(optimizer, lr, step, True, tuple(curve))
+            return Run(optimizer, lr, step, True, tuple(curve), (seed,))
         if step % eval_every == 0 or step == steps:
-            curve.append((step, seconds, evaluate(model, val)))
+            curve.append((step, seconds, evaluate(model, val, task.loss)))
             if progress is not None:
                 progress(step, curve[-1][2])
-    return Run(optimizer, lr, steps, False, tuple(curve))
+    return Run(optimizer, lr, steps, False, tuple(curve), (seed,))
+
+
+def mean_over_seeds(runs: Sequence[Run]) -> list[Run]:
+    """One run per (optimizer, lr), in first-seen order: the mean curve of its seeds' runs (their
+    evaluations fall on the same steps), diverged if any seed diverged."""
+    keys = list(dict.fromkeys((r.optimizer, r.lr) for r in runs))
+    out = []
+    for optimizer, lr in keys:
+        group = [r for r in runs if (r.optimizer, r.lr) == (optimizer, lr)]
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        diverged = any(r.diverged for r in group)
+        length = min(len(r.curve) for r in group)
+        curve = tuple((group[0].curve[i][0], *(sum(r.curve[i][k] for r in group) / len(group) for k in (1, 2)))
+                      for i in range(length))
+        finals = () if diverged else tuple(r.curve[-1][2] for r in group)
+        out.append(Run(optimizer, lr, min(r.steps for r in group), diverged, curve,
+                       tuple(s for r in group for s in r.seeds), finals))
+    return out
 
 
 # ---------------------------------------------------------------------------- reading the runs
@@ -212,12 +285,20 @@ def format_runs(runs: Sequence[Run], target: float) -> str:
     return _table(rows)
 
 
+def seed_range(run: Run) -> str:
+    """The lowest and highest of a run's seeds' final validation losses, or "-" for one seed."""
+    return f"{min(run.finals):.4f}-{max(run.finals):.4f}" if len(run.finals) > 1 else "-"
+
+
 def format_summary(runs: Sequence[Run], target: float) -> str:
-    """One row per optimizer: the lrs tried and what its best lr reached."""
-    rows = [("optimizer", "lrs tried", "best lr", "final val loss", f"steps to {target:g}", "seconds")]
+    """One row per optimizer: the lrs tried and what its best lr reached (over seeds: their mean,
+    and the range of the seeds' final losses)."""
+    rows = [("optimizer", "lrs tried", "best lr", "final val loss", "seeds' range", f"steps to {target:g}",
+             "seconds")]
     for name, run in best_runs(runs).items():
         tried = ",".join(f"{r.lr:g}" for r in runs if r.optimizer == name)
-        rows.append((name, tried, f"{run.lr:g}", _fmt_loss(run.final_val_loss), *_fmt_hit(run, target)))
+        rows.append((name, tried, f"{run.lr:g}", _fmt_loss(run.final_val_loss), seed_range(run),
+                     *_fmt_hit(run, target)))
     return _table(rows)
 
 
@@ -244,8 +325,10 @@ def summary_sentence(runs: Sequence[Run], target: float) -> str:
             f"{', '.join(others) or 'no other optimizer'}" + ("." if tied else f"; {in_seconds}."))
 
 
-def json_record(runs: Sequence[Run], target: float, settings: dict, corpus: Corpus) -> dict:
-    """What ``--json`` writes: the settings, the corpus, every run with its curve, and the winner."""
+def json_record(runs: Sequence[Run], target: float, settings: dict, corpus: Corpus | None) -> dict:
+    """What ``--json`` writes: the settings, the corpus (text), every run (over several seeds: the
+    mean over them, with ``seeds`` and each seed's ``seed_final_val_losses``) with its curve, and
+    the winner."""
     best = best_runs(runs)
 
     def record(run: Run) -> dict:
@@ -254,14 +337,15 @@ def json_record(runs: Sequence[Run], target: float, settings: dict, corpus: Corp
             "optimizer": run.optimizer, "lr": run.lr, "steps": run.steps, "diverged": run.diverged,
             "best": best[run.optimizer] is run, "final_val_loss": run.final_val_loss,
             "steps_to_target": hit and hit[0], "seconds_to_target": hit and hit[1],
+            "seeds": list(run.seeds), "seed_final_val_losses": list(run.finals),
             "curve": [{"step": s, "seconds": t, "val_loss": v} for s, t, v in run.curve],
         }
 
     return {
         "settings": {**settings, "target_loss": target},
-        "corpus": {"root": corpus.root, "python": sysconfig.get_python_version(),
-                   "train_files": len(corpus.train_files), "val_files": len(corpus.val_files),
-                   "train_bytes": len(corpus.train), "val_bytes": len(corpus.val)},
+        "corpus": corpus and {"root": corpus.root, "python": sysconfig.get_python_version(),
+                              "train_files": len(corpus.train_files), "val_files": len(corpus.val_files),
+                              "train_bytes": len(corpus.train), "val_bytes": len(corpus.val)},
         "runs": [record(r) for r in runs],
         "winner": winner(best, target),
     }
@@ -285,9 +369,9 @@ def plot(runs: Sequence[Run], target: float, title: str, path: str) -> None:
     ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:g}")
     # from the first evaluation after step 0 on: the untrained loss would squash the curves flat
     trained = [p[2] for r in runs for p in r.curve[1:]] + [target]
-    ax.set_ylim(min(trained) - 0.05, min(max(trained), math.log(VOCAB_SIZE)) + 0.1)
+    ax.set_ylim(min(trained) - 0.05, max(trained) + 0.1)
     ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats per byte)")
+    ax.set_ylabel("validation loss")
     ax.set_title(title, fontsize=9)
     ax.legend()
     fig.tight_layout()
@@ -319,50 +403,84 @@ def _lrs_option(name: str) -> str:
     return f"--{name}-lrs"
 
 
+def _defaults_help(values: dict[str, object]) -> str:
+    return "; ".join(f"{workload}: {value}" for workload, value in values.items())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``dmuon quality``; the defaults take about 7 minutes on this project's 2-core CPU."""
+    """Options of ``dmuon quality``; the defaults take about 7 minutes on this project's 2-core CPU
+    (``--workload vla --seeds 3``: about 12)."""
+    parser.add_argument("--workload", choices=WORKLOADS, default="text",
+                        help="text: a byte-level Llama on this Python's standard library; vla: the embodied model "
+                             f"{VLA_PRESET} on synthetic episodes (default: %(default)s)")
     parser.add_argument("--optimizers", type=name_list(CONFIGS), default=list(CONFIGS),
                         help="comma-separated optimizers to compare, in order: adamw (AdamW on everything), "
                              "torch-muon (torch.optim.Muon on the block matrices + AdamW on the rest), dmuon "
                              "(dmuon.Muon) (default: all)")
-    for name, lrs in DEFAULT_LRS.items():
-        parser.add_argument(_lrs_option(name), type=lr_list, default=list(lrs), metavar="LRS",
-                            help=f"comma-separated peak learning rates of {name} (default: "
-                                 f"{','.join(f'{lr:g}' for lr in lrs)})")
-    parser.add_argument("--steps", type=positive_int, default=200, help="steps of every run (default: %(default)s)")
+    for name in CONFIGS:
+        lrs = {w: ",".join(f"{lr:g}" for lr in DEFAULT_LRS[w][name]) for w in WORKLOADS}
+        parser.add_argument(_lrs_option(name), type=lr_list, metavar="LRS",
+                            help=f"comma-separated peak learning rates of {name} (default: {_defaults_help(lrs)})")
+    parser.add_argument("--seeds", type=positive_int, default=1,
+                        help="seeds per optimizer and lr, counting up from the seed below; the curves are averaged "
+                             "and the best lr is the lowest mean (default: %(default)s)")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help=f"steps of every run (default: {_defaults_help(DEFAULT_STEPS)})")
     parser.add_argument("--eval-every", type=positive_int, default=20,
                         help="steps between validation evaluations (default: %(default)s)")
     parser.add_argument("--val-batches", type=positive_int, default=8,
                         help="batches of the fixed validation set (default: %(default)s)")
-    parser.add_argument("--target-loss", type=positive_float, default=DEFAULT_TARGET_LOSS,
-                        help="validation loss (nats per byte) whose steps and seconds to reach are reported "
-                             "(default: %(default)s)")
+    parser.add_argument("--target-loss", type=positive_float, default=None,
+                        help="validation loss whose steps and seconds to reach are reported (default: "
+                             f"{_defaults_help(DEFAULT_TARGET_LOSS)})")
     parser.add_argument("--dim", type=positive_int, default=64,
-                        help="model width, a multiple of 32 (default: %(default)s)")
-    parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks (default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step (default: %(default)s)")
+                        help="text: model width, a multiple of 32 (default: %(default)s)")
+    parser.add_argument("--layers", type=positive_int, default=4,
+                        help="text: transformer blocks (default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=16,
+                        help="sequences (text) or episodes (vla) per step (default: %(default)s)")
     parser.add_argument("--seq-len", type=positive_int, default=64,
-                        help="bytes per sequence (default: %(default)s)")
+                        help="text: bytes per sequence (default: %(default)s)")
     parser.add_argument("--weight-decay", type=non_negative_float, default=0.1,
                         help="decoupled weight decay (default: %(default)s)")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch intra-op threads; on a busy machine 2 threads on 2 cores ran 20x slower than 1 "
                              "(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the weights and the batches (default: %(default)s)")
+                        help="(first) seed of the weights and the batches (default: %(default)s)")
     parser.add_argument("--corpus", metavar="DIR", type=directory,
-                        help="train on the *.py files under DIR instead (default: this Python's standard library)")
+                        help="text: train on the *.py files under DIR instead (default: this Python's standard "
+                             "library)")
     parser.add_argument("--json", metavar="PATH", type=output_path,
                         help="write the settings, every run's curve and the winner to PATH (default: none)")
     parser.add_argument("--plot", metavar="PATH", type=output_path,
                         help="write a PNG of the validation curves; needs matplotlib (default: none)")
 
 
+def _fill_workload_defaults(args: argparse.Namespace) -> None:
+    for name in CONFIGS:
+        attribute = f"{name.replace('-', '_')}_lrs"
+        if getattr(args, attribute) is None:
+            setattr(args, attribute, list(DEFAULT_LRS[args.workload][name]))
+    if args.steps is None:
+        args.steps = DEFAULT_STEPS[args.workload]
+    if args.target_loss is None:
+        args.target_loss = DEFAULT_TARGET_LOSS[args.workload]
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """What spans several arguments or needs the corpus, checked before any training starts.
 
-    Reads the corpus (a second or so) and keeps it in ``args.corpus_data`` so that it is read once.
+    Fills the workload's defaults. Reads the corpus (a second or so) and keeps it in
+    ``args.corpus_data`` so that it is read once (``None`` for the VLA).
     """
+    _fill_workload_defaults(args)
+    check_plot(args.plot)
+    args.corpus_data = None
+    if args.workload == "vla":
+        if args.corpus:
+            raise UsageError("--corpus", "the vla workload trains on synthetic episodes, not on a corpus")
+        return
     if args.dim % HEAD_DIM:
         raise UsageError("--dim", f"invalid value {args.dim}: must be a multiple of {HEAD_DIM} (the head width)")
     def needed(dim: int, layers: int, batch_size: int) -> tuple[int, int]:
@@ -370,7 +488,6 @@ def check_arguments(args: argparse.Namespace) -> None:
 
     check_fits(needed, {"--dim": (args.dim, 64), "--layers": (args.layers, 4), "--batch-size": (args.batch_size, 16)},
                available_memory())
-    check_plot(args.plot)
     corpus = load_corpus(args.corpus)
     for side, text in (("training", corpus.train), ("validation", corpus.val)):
         if len(text) <= args.seq_len:
@@ -381,34 +498,44 @@ def check_arguments(args: argparse.Namespace) -> None:
     args.corpus_data = corpus
 
 
-def describe(args: argparse.Namespace, corpus: Corpus, config: LlamaConfig) -> str:
-    """The two header lines: what the corpus is, and what is trained on it."""
+def _runs_line(args: argparse.Namespace, what: str) -> str:
+    seeds = f", seeds {args.seed}..{args.seed + args.seeds - 1} (curves averaged)" if args.seeds > 1 else ""
+    return (f"{args.steps} steps of {args.batch_size} {what}, weight decay {args.weight_decay}, {args.threads} "
+            f"thread(s){seeds}")
+
+
+def describe(args: argparse.Namespace, corpus: Corpus | None, model: LlamaConfig | VLAConfig) -> str:
+    """The two header lines: what the data is, and what is trained on it."""
+    if isinstance(model, VLAConfig):
+        return (f"data: synthetic episodes of {VLA_PRESET} (image, prompt, noisy actions), validation on "
+                f"{args.val_batches} batches of episodes no run trains on\n"
+                f"model: {VLA_PRESET}, {param_count(model) / 1e6:.2f} M parameters (vision tower frozen); "
+                f"{_runs_line(args, 'episodes')}; loss: prompt cross-entropy + action MSE")
     layers = f"{args.layers} layer{'s' if args.layers > 1 else ''}"
     return (f"corpus: {len(corpus.train_files) + len(corpus.val_files)} *.py files under {corpus.root} "
             f"(Python {sysconfig.get_python_version()}), {len(corpus.train) / 1e6:.2f} MB training, "
             f"{len(corpus.val) / 1e6:.2f} MB validation (every {VAL_EVERY}th file)\n"
-            f"model: d={args.dim}, {layers}, {param_count(config) / 1e6:.2f} M parameters; {args.steps} steps of "
-            f"{args.batch_size}x{args.seq_len} bytes, weight decay {args.weight_decay}, {args.threads} thread(s); "
+            f"model: d={args.dim}, {layers}, {param_count(model) / 1e6:.2f} M parameters; "
+            f"{_runs_line(args, f'x{args.seq_len} bytes')}; "
             f"untrained loss ~ log({VOCAB_SIZE}) = {math.log(VOCAB_SIZE):.2f} nats per byte")
 
 
-def sweep(args: argparse.Namespace, corpus: Corpus, config: LlamaConfig) -> list[Run]:
-    """Every optimizer of ``args.optimizers`` at every lr of its sweep, one after the other; one line
-    per run on stderr (on a terminal, rewritten at each evaluation while the run goes on)."""
-    val = val_batches(corpus.val, args.val_batches, args.batch_size, args.seq_len)
-    todo = [(name, lr) for name in args.optimizers for lr in getattr(args, f"{name.replace('-', '_')}_lrs")]
+def sweep(args: argparse.Namespace, task: Task) -> list[Run]:
+    """Every optimizer of ``args.optimizers`` at every lr of its sweep and every seed, one after the
+    other; one line per run on stderr (on a terminal, rewritten at each evaluation while it goes on)."""
+    todo = [(name, lr, seed) for name in args.optimizers for lr in getattr(args, f"{name.replace('-', '_')}_lrs")
+            for seed in range(args.seed, args.seed + args.seeds)]
     carriage_return = "\r" if sys.stderr.isatty() else ""
     runs = []
-    for i, (name, lr) in enumerate(todo, start=1):
-        label = f"[{i}/{len(todo)}] {name} lr {lr:g}"
+    for i, (name, lr, seed) in enumerate(todo, start=1):
+        label = f"[{i}/{len(todo)}] {name} lr {lr:g}" + (f" seed {seed}" if args.seeds > 1 else "")
 
         def progress(step: int, loss: float) -> None:
             sys.stderr.write(f"\r{label}: step {step}/{args.steps}, val loss {loss:.4f}")
             sys.stderr.flush()
 
-        result = train_run(name, CONFIGS[name], lr, config=config, corpus=corpus, val=val, steps=args.steps,
-                           eval_every=args.eval_every, batch_size=args.batch_size, weight_decay=args.weight_decay,
-                           seed=args.seed, progress=progress if carriage_return else None)
+        result = train_run(name, CONFIGS[name], lr, task=task, steps=args.steps, eval_every=args.eval_every,
+                           weight_decay=args.weight_decay, seed=seed, progress=progress if carriage_return else None)
         runs.append(result)
         print(f"{carriage_return}{label}: final val loss {_fmt_loss(result.final_val_loss)} "
               f"after {result.steps} steps ({result.curve[-1][1]:.0f} s training)", file=sys.stderr, flush=True)
@@ -418,23 +545,29 @@ def sweep(args: argparse.Namespace, corpus: Corpus, config: LlamaConfig) -> list
 def run(args: argparse.Namespace) -> int:
     """Train every optimizer at every lr of its sweep, then print the tables and the summary."""
     torch.set_num_threads(args.threads)
-    corpus: Corpus = args.corpus_data
-    config = model_config(args.dim, args.layers, args.seq_len)
-    print(describe(args, corpus, config), flush=True)
-    runs = sweep(args, corpus, config)
+    corpus: Corpus | None = args.corpus_data
+    if args.workload == "vla":
+        model: LlamaConfig | VLAConfig = get_config(VLA_PRESET)
+        task = vla_task(model, args.batch_size, args.val_batches)
+        title = f"{VLA_PRESET}, synthetic episodes"
+    else:
+        model = model_config(args.dim, args.layers, args.seq_len)
+        task = text_task(corpus, model, args.batch_size, args.val_batches)
+        title = f"Python {sysconfig.get_python_version()} stdlib bytes, d={args.dim}, {args.layers} layers"
+    print(describe(args, corpus, model), flush=True)
+    runs = mean_over_seeds(sweep(args, task))
     print(format_runs(runs, args.target_loss))
     print()
     print(format_summary(runs, args.target_loss))
     print()
     print(summary_sentence(runs, args.target_loss))
     if args.json:
-        settings = {k: getattr(args, k) for k in ("steps", "eval_every", "val_batches", "dim", "layers",
-                                                  "batch_size", "seq_len", "weight_decay", "threads", "seed")}
+        settings = {k: getattr(args, k) for k in ("workload", "steps", "eval_every", "val_batches", "dim", "layers",
+                                                  "batch_size", "seq_len", "weight_decay", "threads", "seed",
+                                                  "seeds")}
         with open(args.json, "w") as f:
             json.dump(json_record(runs, args.target_loss, settings, corpus), f, indent=1)
             f.write("\n")
     if args.plot:
-        title = (f"dmuon quality: Python {sysconfig.get_python_version()} stdlib bytes, d={args.dim}, "
-                 f"{args.layers} layers, {args.steps} steps of {args.batch_size}x{args.seq_len}")
-        plot(runs, args.target_loss, title, args.plot)
+        plot(runs, args.target_loss, f"dmuon quality: {title}, {args.steps} steps of {args.batch_size}", args.plot)
     return 0

@@ -116,6 +116,21 @@ def test_best_lr_winner_and_summary_sentence():
         "torch-muon and dmuon reached validation loss 2 at the same evaluation, torch-muon first in seconds")
 
 
+def test_seeds_are_averaged_per_optimizer_and_lr_and_their_range_is_shown():
+    def seeded(name, lr, seed, losses, diverged=False):
+        curve = tuple((step, float(step), loss) for step, loss in zip((0, 10, 20), losses))
+        return quality.Run(name, lr, 20, diverged, curve, (seed,))
+
+    runs = [seeded("adamw", 1e-3, 0, (5.0, 3.0, 2.0)), seeded("adamw", 1e-3, 1, (5.0, 3.2, 2.4)),
+            seeded("dmuon", 1e-3, 0, (5.0, 2.0, 1.0)), seeded("dmuon", 1e-3, 1, (5.0, 2.6, 2.5), diverged=True)]
+    adamw, dmuon = quality.mean_over_seeds(runs)
+    assert (adamw.optimizer, adamw.seeds, adamw.finals) == ("adamw", (0, 1), (2.0, 2.4))
+    assert [loss for *_, loss in adamw.curve] == pytest.approx([5.0, 3.1, 2.2])
+    assert dmuon.diverged and dmuon.final_val_loss is None and dmuon.finals == ()
+    assert quality.seed_range(adamw) == "2.0000-2.4000" and quality.seed_range(runs[0]) == "-"
+    assert "2.0000-2.4000" in quality.format_summary([adamw, dmuon], 2.5)
+
+
 def test_lr_factor_warms_up_and_decays_to_near_zero():
     factors = [quality.lr_factor(step, 100) for step in range(100)]
     assert factors[0] == pytest.approx(0.2) and factors[4:80] == [1.0] * 76
@@ -145,6 +160,9 @@ BAD_INPUTS = [
     (["--dim", "100"], "--dim", "multiple of 32"),
     (["--json", "no-such-folder/q.json"], "--json", "no-such-folder"),
     (["--corpus", "no-such-folder"], "--corpus", "not an existing folder"),
+    (["--workload", "vla", "--corpus", "."], "--corpus", "synthetic episodes"),
+    (["--workload", "robot"], "--workload", "robot"),
+    (["--seeds", "0"], "--seeds", "0"),
 ]
 
 
@@ -198,3 +216,26 @@ def test_tiny_run_end_to_end_writes_every_field(small_corpus, tmp_path, capsys):
         assert (r["steps_to_target"], r["seconds_to_target"]) == (hit or (None, None))
     assert (record["winner"] is None) == all(r["steps_to_target"] is None for r in runs)
     assert "final val loss" in printed and printed.strip().splitlines()[-1].endswith(".")
+
+
+def test_vla_workload_over_two_seeds_end_to_end(tmp_path, capsys):
+    """The embodied model: the seeds' runs are averaged, the validation episodes are none a run
+    trains on, and the JSON keeps every seed's final loss."""
+    out = tmp_path / "vla.json"
+    argv = ["quality", "--workload", "vla", "--optimizers", "adamw,dmuon", "--adamw-lrs", "4e-3", "--dmuon-lrs",
+            "4e-3,8e-3", "--seeds", "2", "--steps", "4", "--eval-every", "2", "--batch-size", "4", "--val-batches",
+            "1", "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "synthetic episodes of vla-tiny" in printed and "seeds 0..1 (curves averaged)" in printed
+    record = json.loads(out.read_text())
+    assert record["corpus"] is None and record["settings"]["workload"] == "vla"
+    assert record["settings"]["target_loss"] == quality.DEFAULT_TARGET_LOSS["vla"]
+    runs = record["runs"]
+    assert [(r["optimizer"], r["lr"], r["seeds"]) for r in runs] == [
+        ("adamw", 4e-3, [0, 1]), ("dmuon", 4e-3, [0, 1]), ("dmuon", 8e-3, [0, 1])]
+    for r in runs:
+        assert len(r["seed_final_val_losses"]) == 2
+        assert r["final_val_loss"] == pytest.approx(sum(r["seed_final_val_losses"]) / 2)
+    # each seed is its own task and weights: the two seeds' losses differ
+    assert len(set(runs[0]["seed_final_val_losses"])) == 2
