@@ -1,16 +1,18 @@
 """How far training drifts between layouts whose single steps are bitwise equal.
 
-    python benchmarks/layout_drift.py [--preset demo] [--steps 200] [--world-size 2] [--json PATH]
+    python benchmarks/layout_drift.py [--preset demo] [--steps 200] [--world-size 2] [--muon-lr-multiple 4]
+                                      [--json PATH]
 
 Given identical gradients, a dmuon step is bitwise the same in one process and under FSDP2. In
 training the gradients are not identical: FSDP2 sums each rank's half of the batch (a
 reduce-scatter), one process the whole batch, so they differ in their last bits, and every later
 step starts from slightly different weights. This script trains the same model from the same
 weights on the same batches (the standard library's source, byte by byte) in one process and
-under FSDP2 on ``--world-size`` gloo ranks, with AdamW, with dmuon.Muon in its default
-Newton–Schulz dtype (bf16 on CPUs with native bf16 products) and with dmuon.Muon in fp32, and
-prints, per optimizer, how far the two layouts' losses are apart after 3, 30 and ``--steps``
-steps. AdamW's lr is ``--lr``, the Muons' 4x it (docs/migration.md).
+under FSDP2 on ``--world-size`` gloo ranks, with AdamW, with dmuon.Muon with a bf16
+Newton–Schulz (its default on GPUs and on CPUs with native bf16 products; emulated, hence slow,
+on other CPUs) and with dmuon.Muon with an fp32 Newton–Schulz, and prints, per optimizer, how far
+the two layouts' losses are apart after 3, 30 and ``--steps`` steps, and the largest gap over the
+run. AdamW's lr is ``--lr``, the Muons' ``--muon-lr-multiple`` times it.
 """
 
 from __future__ import annotations
@@ -26,14 +28,13 @@ import dmuon
 from dmuon.tools.corpus import VOCAB_SIZE, load_corpus, train_batch
 from dmuon.tools.models import Llama, get_config
 
-OPTIMIZERS = ("adamw", "dmuon", "dmuon-fp32")
+OPTIMIZERS = {"adamw": None, "dmuon-bf16": torch.bfloat16, "dmuon-fp32": torch.float32}  # name: NS dtype
 
 
-def make_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    options = {"ns_dtype": torch.float32} if name == "dmuon-fp32" else {}
-    return dmuon.Muon(model, lr=4 * lr, weight_decay=0.1, **options)
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    return dmuon.Muon(model, lr=args.muon_lr_multiple * args.lr, weight_decay=0.1, ns_dtype=OPTIMIZERS[name])
 
 
 def train(args: argparse.Namespace, name: str, rank: int, world: int) -> list[float]:
@@ -46,7 +47,7 @@ def train(args: argparse.Namespace, name: str, rank: int, world: int) -> list[fl
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
-    opt = make_optimizer(name, model, args.lr)
+    opt = make_optimizer(name, model, args)
     text = load_corpus().train
     losses = []
     for step in range(args.steps):
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--muon-lr-multiple", type=float, default=4.0)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     if args.batch_size % args.world_size:
@@ -88,11 +90,13 @@ def main() -> None:
     marks = sorted({step for step in (3, 30, args.steps) if step <= args.steps})
     print(f"{args.preset} preset, {args.steps} steps, one process vs FSDP2 on {args.world_size} ranks: "
           "|loss gap| after each number of steps")
-    print(f"{'optimizer':<11} {'final loss':>10} " + " ".join(f"{f'after {m}':>11}" for m in marks))
+    print(f"{'optimizer':<11} {'final loss':>10} " + " ".join(f"{f'after {m}':>11}" for m in marks)
+          + f" {'largest':>11}")
     for name in OPTIMIZERS:
         gaps = [abs(a - b) for a, b in zip(alone[name], sharded[name])]
-        rows[name] = dict(final_loss=alone[name][-1], gaps={m: gaps[m - 1] for m in marks})
-        print(f"{name:<11} {alone[name][-1]:>10.4f} " + " ".join(f"{gaps[m - 1]:>11.2e}" for m in marks))
+        rows[name] = dict(final_loss=alone[name][-1], gaps={m: gaps[m - 1] for m in marks}, largest_gap=max(gaps))
+        print(f"{name:<11} {alone[name][-1]:>10.4f} " + " ".join(f"{gaps[m - 1]:>11.2e}" for m in marks)
+              + f" {max(gaps):>11.2e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(settings=vars(args), results=rows), f, indent=1)
