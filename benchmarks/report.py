@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PLAN_CASES = [  # (model, world size, extra flags): the paper's workloads at 64-1024 GPUs
     ("llama-3.1-8b", 64, []), ("llama-3.1-8b", 256, []), ("llama-3.1-70b", 256, []),
-    ("llama-3.1-70b", 1024, []), ("qwen3-30b-a3b", 256, ["--tp", "8", "--pp", "4", "--ep", "8"]),
+    ("llama-3.1-70b", 1024, []), ("qwen3-30b-a3b", 256, ["--tp", "4", "--pp", "4", "--ep", "8"]),
     ("vla", 64, []), ("pi0", 64, []), ("pi0", 256, []),
 ]
 

@@ -93,6 +93,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -699,13 +700,14 @@ def verdict(results: list[BenchResult], about: str = "") -> list[str]:
 
 
 def format_table(results: list[BenchResult], load: Load | None = None, about: str = "",
-                 verbose: bool = False) -> str:
+                 verbose: bool = False, your_job: Sequence[str] = ()) -> str:
     """The verdict (:func:`verdict`), then one row per configuration (within 100 columns) with
     ratios against AdamW and vanilla Muon of the same parallelism (medians of per-round ratios,
     ± their 95 % interval), the warnings; ``verbose``: a second table with the bytes, memory,
-    loss, the ratios' ranges and the optimizer-step efficiency."""
+    loss, the ratios' ranges and the optimizer-step efficiency; ``your_job``: the verdict's last
+    lines (:func:`plan_pointer`)."""
     comparisons = compare(results)
-    lines = [*verdict(results, about), ""]
+    lines = [*verdict(results, about), *your_job, ""]
     columns = [("config", 20), ("step ms", 9), ("step/AdamW", 11), ("overhead", 8), ("opt step ms", 11),
                ("opt/vanilla", 11), ("mem/AdamW", 9)]
 
@@ -1015,6 +1017,27 @@ def model_summary(args: argparse.Namespace) -> str:
             f"sequences x {args.seq_len} tokens = {tokens:,} tokens per step, {args.precision}")
 
 
+def plan_pointer(args: argparse.Namespace) -> list[str]:
+    """How this run's figure relates to the reader's job, and the ``dmuon plan`` command that
+    predicts this run (to check the prediction here) and, with their own values, theirs."""
+    hardware = "cpu"
+    if args.device == "cuda":
+        name = torch.cuda.get_device_name(0).lower()
+        hardware = next((h for h in ("h200", "h100", "b200", "a800", "a100") if h in name), "h100")
+    tokens = args.world_size * args.batch_size * args.seq_len
+    layers = f" --layers {args.layers}" if args.layers else ""
+    this_run = (f"dmuon plan --model {args.preset}{layers} --world-size {args.world_size} --hardware {hardware} "
+                f"--tokens-per-step {tokens} --seq-len {args.seq_len}")
+    text = (f"  your job: these ratios are this run's ({args.world_size} {args.device.upper()} ranks, "
+            f"{tokens // args.world_size:,} tokens per rank). dmuon's step over AdamW's is its optimizer step "
+            "(mostly Newton-Schulz, fixed by the model and the ranks) over the forward and backward pass (growing "
+            "with the tokens per rank): more tokens per rank, a faster device for the products, or more ranks to "
+            f"share Newton-Schulz shrink it. `{this_run}` predicts this run; with your model, ranks, hardware and "
+            "tokens per step (`dmuon plan --model llama-3.1-8b --world-size 64 --hardware h100 --tokens-per-step "
+            "524288`) it predicts your job.")
+    return textwrap.wrap(text, 100, subsequent_indent="    ", break_on_hyphens=False)
+
+
 def run(args: argparse.Namespace) -> int:
     from dmuon.tools.hardware import OtherJobsCpu
 
@@ -1048,7 +1071,7 @@ def run(args: argparse.Namespace) -> int:
                          for r in measured.values()) / 1e3
     load = Load(others.cores_used_in_last(rounds_seconds), os.cpu_count() or 1)
     results = [dataclasses.replace(measured[name], peak_mem_bytes=peaks.get(name, 0)) for name in args.configs]
-    print(format_table(results, load, about=model_summary(args), verbose=args.verbose))
+    print(format_table(results, load, about=model_summary(args), verbose=args.verbose, your_job=plan_pointer(args)))
     print(f"(bench took {time.perf_counter() - started:.0f} s)", file=sys.stderr)
     if args.device == "cuda":
         from dmuon.tools.throughput import gpu_report

@@ -1,7 +1,7 @@
 """``dmuon plan``: dmuon's plan for a model at N ranks, and the predicted cost of a step.
 
     dmuon plan --model llama-3.1-8b --world-size 512 --hardware h100 --mode fsdp2
-    dmuon plan --model qwen3-30b-a3b --world-size 256 --tp 8 --pp 4 --ep 8 --hardware h100
+    dmuon plan --model qwen3-30b-a3b --world-size 256 --tp 4 --pp 4 --ep 8 --hardware h100
 
 prints how each kind of matrix is orthogonalized, how the Newton–Schulz work and the bytes
 spread over the ranks (every rank for small N, min/median/max beyond), the optimizer's memory,
@@ -221,6 +221,21 @@ def memory_lines(p: Prediction) -> str:
             f"exchange buffers at most {p.exchange_buffer_gb:.2f} GB (two buckets in flight)")
 
 
+def left_out(tp: int, pp: int, ep: int) -> list[str]:
+    """What the prediction leaves out for a tensor-, pipeline- or expert-parallel layout: each adds
+    time to AdamW's step and dmuon's alike, so the printed overheads over AdamW are upper bounds
+    of what those collectives would dilute, not of the step."""
+    missing = [what for degree, what in ((tp, "tensor parallel's activation all-reduces / all-gathers"),
+                                         (ep, "expert parallel's token all-to-alls (dispatch and combine)"),
+                                         (pp, "the pipeline's activation sends and its bubble (idle stages)"))
+               if degree > 1]
+    if not missing:
+        return []
+    return ["not modelled: " + "; ".join(missing) + ". They lengthen AdamW's step and dmuon's alike, so the real "
+            "step is longer and dmuon's overhead over AdamW smaller than printed; only the data-parallel collectives "
+            "and the optimizer are priced."]
+
+
 def run(args: argparse.Namespace) -> int:
     """Predict and print; ``args`` as :func:`check_arguments` left them."""
     config, tokens = args.config, args.tokens_per_step
@@ -260,8 +275,11 @@ def run(args: argparse.Namespace) -> int:
         print(balance_summary(prediction) + "\n")
     print(memory_lines(prediction))
     print(predictions_table(prediction, whole))
+    caveats = left_out(args.tp, args.pp, args.ep)
+    for line in caveats:
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(asdict(prediction), f, indent=1)
+            json.dump({**asdict(prediction), "not_modelled": caveats}, f, indent=1)
             f.write("\n")
     return 0

@@ -370,3 +370,31 @@ def test_the_verdict_sets_dmuon_beside_each_peer_of_its_mode():
     assert "settled: every step ratio above" in lines  # the peer's ratio is shown, not judged
     record = next(r for r in json_records(results, Load(0.0, 2)) if r["config"] == "fsdp-dmuon")
     assert record["opt_step_vs_peer"]["fsdp-dion"]["median"] == pytest.approx(0.375)
+
+
+def test_the_verdict_ends_with_the_plan_command_that_predicts_this_run():
+    """The bench's figure is one run's; its last verdict lines say what moves it and give the
+    ``dmuon plan`` command of this very run (which plan's own parser accepts), and one for a real job."""
+    import argparse
+    import re
+    import shlex
+
+    from dmuon.tools import plan_cli
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--preset", "bench", "--layers", "2", "--world-size", "3", "--batch-size", "2",
+                              "--seq-len", "64"])
+    bench.check_arguments(args)
+    text = " ".join(line.strip() for line in bench.plan_pointer(args))
+    assert text.startswith("your job: these ratios are this run's (3 CPU ranks, 128 tokens per rank)")
+    commands = re.findall(r"`(dmuon plan [^`]*)`", text)
+    assert commands[0] == ("dmuon plan --model bench --layers 2 --world-size 3 --hardware cpu --tokens-per-step 384 "
+                           "--seq-len 64")
+    for command in commands:
+        plan_parser = argparse.ArgumentParser()
+        plan_cli.add_arguments(plan_parser)
+        plan_cli.check_arguments(plan_parser.parse_args(shlex.split(command)[2:]))
+    dmuon = BenchResult("fsdp-dmuon", 2, 50.0, 150.0, None, None, 0, 4.0, (50.0, 50.0), (150.0, 150.0))
+    table = format_table([dmuon], Load(0.0, 2), your_job=bench.plan_pointer(args))
+    assert table.split("\n\n")[0].splitlines()[-1].endswith("it predicts your job.")

@@ -363,3 +363,21 @@ def test_cpu_predictions_match_bench_at_2_and_4_ranks(tmp_path):
     report = "\n".join(rows)
     print(report)
     assert all(abs(e) <= 0.25 for e in errors), report
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    ([], []),
+    (["--tp", "2"], ["tensor parallel"]),
+    (["--pp", "2"], ["bubble"]),
+    (["--model", "qwen3-30b-a3b", "--tp", "2", "--pp", "2", "--ep", "2"], ["tensor parallel", "all-to-alls", "bubble"]),
+])
+def test_plan_says_what_it_does_not_model_for_tp_pp_ep(flags, named, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    model = [] if "--model" in flags else ["--model", "llama-3.1-8b"]
+    assert main(["plan", *model, "--world-size", "16", *flags, "--json", str(out)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("not modelled: ")]
+    caveats = json.loads(out.read_text())["not_modelled"]
+    assert caveats == lines and len(lines) == (1 if named else 0)
+    for what in named:
+        assert what in lines[0]
+    assert all(what not in "".join(lines) for what in {"tensor parallel", "all-to-alls", "bubble"} - set(named))
