@@ -179,6 +179,18 @@ def quality_table(record: dict) -> str:
         spread = f" ({min(finals):.4f}–{max(finals):.4f})" if len(finals) > 1 else ""
         lines.append(f"| {optimizer} | {tried} | {best['lr']:g} | {best['final_val_loss']:.4f}{spread} "
                      f"| {steps or 'not reached'} | {'–' if seconds is None else f'{seconds:.1f}'} |")
+    return "\n".join(lines) + "\n\n" + sweep_table(result)
+
+
+def sweep_table(result: dict) -> str:
+    """Final validation loss of every optimizer at every lr of the sweeps: how much the lr matters."""
+    lrs = sorted({r["lr"] for r in result["runs"]})
+    lines = ["| final validation loss at lr | " + " | ".join(f"{lr:g}" for lr in lrs) + " |",
+             "|---|" + "---:|" * len(lrs)]
+    for optimizer in dict.fromkeys(r["optimizer"] for r in result["runs"]):
+        loss = {r["lr"]: r["final_val_loss"] for r in result["runs"] if r["optimizer"] == optimizer}
+        cells = ["–" if lr not in loss else "diverged" if loss[lr] is None else f"{loss[lr]:.4f}" for lr in lrs]
+        lines.append(f"| {optimizer} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
