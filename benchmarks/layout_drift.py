@@ -1,6 +1,6 @@
 """How far training drifts between layouts whose single steps are bitwise equal.
 
-    python benchmarks/layout_drift.py [--preset demo] [--steps 200] [--world-size 2] [--muon-lr-multiple 4]
+    python benchmarks/layout_drift.py [--preset demo] [--steps 200] [--world-size 2] [--muon-lr-multiple 2]
                                       [--json PATH]
 
 Given identical gradients, a dmuon step is bitwise the same in one process and under FSDP2. In
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--muon-lr-multiple", type=float, default=4.0)
+    parser.add_argument("--muon-lr-multiple", type=float, default=2.0)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     if args.batch_size % args.world_size:
