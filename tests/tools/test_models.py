@@ -164,10 +164,10 @@ def test_cli_demo_runs_every_configuration_end_to_end(tmp_path: Path, capsys: py
         assert record["config"] in stdout
         assert record["steps"] == 2
         assert math.isfinite(record["final_loss"]) and record["opt_step_ms"] > 0 and record["step_ms"] > 0
-        # each at the lr the migration guide recommends: the Muons at 4x AdamW's
-        assert record["lr"] == pytest.approx(3e-3 * (4 if record["config"] in demo.MUON_CONFIGS else 1))
+        # each at the lr the migration guide's rule starts from: the Muons at 2x AdamW's
+        assert record["lr"] == pytest.approx(3e-3 * (2 if record["config"] in demo.MUON_CONFIGS else 1))
     assert "on the standard library's source" in stdout
-    assert stdout.strip().splitlines()[-1].startswith("verdict: dmuon (lr 0.012) ended at loss")
+    assert stdout.strip().splitlines()[-1].startswith("verdict: dmuon (lr 0.006) ended at loss")
 
 
 def test_the_verdict_sets_dmuons_loss_and_step_beside_each_other_configuration() -> None:
