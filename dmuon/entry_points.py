@@ -106,9 +106,10 @@ def _build(opt: Muon, params: nn.Module | Iterable[Any], defaults: dict[str, Any
     torch.optim.Optimizer.__init__(opt, params, defaults)
     opt._module_roles = {}  # used for routing at construction only; params may be swapped later
     param_groups.check_not_a_whole_model_by_shape(opt.param_groups)
-    blind = param_groups.shape_routing_warning(opt.param_groups)
-    if blind:
-        warnings.warn(blind, stacklevel=6)  # _build <- build <- agreed_call <- construct <- __init__ <- the caller
+    for warning in (param_groups.shape_routing_warning(opt.param_groups),
+                    param_groups.fp16_adamw_warning(opt.param_groups)):
+        if warning:
+            warnings.warn(warning, stacklevel=6)  # _build <- build <- agreed_call <- construct <- __init__ <- caller
     opt._stepper.order_buckets(opt.param_groups)
     opt._stepper.check_layouts(opt.param_groups)
 

@@ -254,6 +254,26 @@ def shape_routing_warning(groups: Sequence[dict[str, Any]]) -> str | None:
             "matrices in a group with \"algorithm\": \"muon\" (and the rest in one with \"algorithm\": \"adamw\").")
 
 
+# fp16's smallest normal number: an AdamW eps below it leaves the update's denominator at (or near)
+# 0 wherever the second moment underflows, which (1 - beta2)·g² does for |g| below about 8e-3.
+FP16_TINY = torch.finfo(torch.float16).tiny
+
+
+def fp16_adamw_warning(groups: Sequence[dict[str, Any]]) -> str | None:
+    """The warning for fp16 parameters that AdamW steps with an eps fp16 cannot hold, or None."""
+    found = [(name, eps) for g, group in enumerate(groups)
+             if (eps := group["adamw_eps"]) < FP16_TINY
+             for name, p, alg in zip(names_of(group, g), group["params"], group["algorithms"])
+             if alg == "adamw" and p.dtype == torch.float16]
+    if not found:
+        return None
+    names = ", ".join(name for name, _ in found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    return (f"AdamW steps float16 parameters ({names}) with eps={found[0][1]:g}, below float16's smallest normal "
+            f"{FP16_TINY:.2g}: their second moment underflows to 0 for gradients below about 8e-3, and the update "
+            "becomes inf or NaN, as in torch.optim.AdamW. Keep fp32 parameters (fp16 autocast computes in fp16 "
+            "all the same), or pass adamw_eps=1e-4 or more.")
+
+
 def names_of(group: dict[str, Any], g: int) -> list[str]:
     """The group's parameter names; an unnamed one is ``"group{g}.param{i}"``."""
     return group.get("param_names") or [f"group{g}.param{i}" for i in range(len(group["params"]))]

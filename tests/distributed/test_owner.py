@@ -190,7 +190,9 @@ def train_small(parallel: bool, steps: int = 3, dtype: torch.dtype = torch.float
     model = small_mlp().to(dtype)
     rank, world = (dist.get_rank(), dist.get_world_size()) if parallel else (0, 1)
     sharding = dmuon.shard_by_owner(model) if parallel else None
-    opt = dmuon.Muon(model, lr=0.05, ns_method="standard", ns_dtype=torch.float32)
+    # fp16: an AdamW eps fp16 can hold, else the biases' updates are inf where their second moment underflows
+    adamw_eps = 1e-4 if dtype == torch.float16 else 1e-8
+    opt = dmuon.Muon(model, lr=0.05, ns_method="standard", ns_dtype=torch.float32, adamw_eps=adamw_eps)
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x = torch.randn(12, 16, generator=generator).to(dtype)

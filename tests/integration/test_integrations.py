@@ -319,6 +319,8 @@ def lightning_train(lightning: ModuleType, checkpoint_dir: str, resume: str | No
     return trainer, module
 
 
+# a fresh job resumes into its own folder, which Lightning notes against the checkpoint's
+@pytest.mark.filterwarnings("ignore:The dirpath has changed")
 def test_lightning_configure_optimizers_steps_and_resumes(tmp_path):
     lightning = require("lightning.pytorch")
     initial = params_of(Llama(CONFIG))

@@ -189,5 +189,6 @@ def test_a_torchtitan_config_with_dmuon_builds_and_routes_torchtitans_llama3():
     assert any("tok_embeddings" in n for n in others) and any("lm_head" in n for n in others)
     assert all(routes[n].algorithm == "adamw" for n in others), {n: routes[n] for n in others}
     warmup = [group["lr"] for group in optimizer.param_groups]
+    optimizers.step()  # as torchtitan's trainer steps: optimizers, then schedulers (no gradients: nothing moves)
     schedulers.step()
     assert all(after > before for after, before in zip([g["lr"] for g in optimizer.param_groups], warmup))

@@ -83,7 +83,8 @@ def test_state_dicts_keep_every_group_key_and_loads_keep_the_live_reasons():
 
 def test_add_param_group_later():
     net = make_net()
-    opt = dmuon.Muon([net.hidden.weight], lr=0.01)
+    with pytest.warns(UserWarning, match="by shape alone"):
+        opt = dmuon.Muon([net.hidden.weight], lr=0.01)
     opt.add_param_group({"params": [net.experts, net.norm.weight], "lr": 0.02})
     assert [g["algorithms"] for g in opt.param_groups] == [["muon"], ["muon", "adamw"]]
     set_random_grads(net.parameters(), 0)
@@ -96,7 +97,8 @@ def test_lr_scheduler_changes_applied_lr():
     def update_size(factor):
         torch.manual_seed(0)
         p = nn.Parameter(torch.randn(16, 32))
-        opt = dmuon.Muon([p], lr=0.01, weight_decay=0.0)
+        with pytest.warns(UserWarning, match="by shape alone"):
+            opt = dmuon.Muon([p], lr=0.01, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: factor)
         before = p.detach().clone()
         set_random_grads([p], 0)

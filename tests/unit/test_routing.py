@@ -75,11 +75,12 @@ def test_routing_from_named_parameters_and_plain_tensors():
 
 def test_explicit_groups_override_and_split():
     net = make_net()
-    opt = dmuon.Muon([
-        {"params": [net.hidden.weight, net.hidden.bias], "lr": 0.5},
-        {"params": [net.lm_head.weight], "algorithm": "muon"},
-        {"params": [net.experts], "algorithm": "adamw", "betas": (0.8, 0.9), "eps": 1e-6},
-    ], lr=0.1, adamw_eps=1e-7)
+    with pytest.warns(UserWarning, match="by shape alone"):  # the first group's hidden.weight
+        opt = dmuon.Muon([
+            {"params": [net.hidden.weight, net.hidden.bias], "lr": 0.5},
+            {"params": [net.lm_head.weight], "algorithm": "muon"},
+            {"params": [net.experts], "algorithm": "adamw", "betas": (0.8, 0.9), "eps": 1e-6},
+        ], lr=0.1, adamw_eps=1e-7)
     # one group per group given, routed per parameter inside
     assert [g["algorithms"] for g in opt.param_groups] == [["muon", "adamw"], ["muon"], ["adamw"]]
     assert [g["algorithm"] for g in opt.param_groups] == [None, "muon", "adamw"]

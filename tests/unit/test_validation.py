@@ -5,6 +5,7 @@ options of other optimizers (docs/testing.md row 11)."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -149,3 +150,22 @@ def test_a_misspelt_group_option_gets_the_closest_name():
     with pytest.raises(ValueError, match="Unknown option\\(s\\) \\['weight_dacay'\\] in param group 0. Did you mean "
                                          "'weight_decay'\\?"):
         dmuon.Muon([{"params": [make_net().hidden.weight], "weight_dacay": 0.1}])
+
+
+def test_fp16_parameters_on_adamw_with_an_eps_fp16_cannot_hold_are_warned_about():
+    """AdamW's eps of 1e-8 is 0 in fp16, and the second moment of a gradient under ~8e-3
+    underflows: the update is inf or NaN (torch.optim.AdamW's too). Warned at construction,
+    naming the parameters; an eps fp16 holds, or fp32 parameters, are not."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).half()
+    with pytest.warns(UserWarning, match=r"AdamW steps float16 parameters \(0.bias, 1.bias\) with eps=1e-08"):
+        dmuon.Muon(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dmuon.Muon(model, adamw_eps=1e-4)
+        dmuon.Muon(model.float())
+    # what the warning is about: one AdamW step of a small gradient
+    bias = nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    bias.grad = torch.tensor([1e-3, 0.0], dtype=torch.float16)
+    with pytest.warns(UserWarning, match="float16"):
+        dmuon.Muon([("bias", bias)], lr=0.01).step()
+    assert not bias.isfinite().any()
