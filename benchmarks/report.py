@@ -155,7 +155,9 @@ def plan_table(record: dict) -> str:
         lines.append(f"| {p['model']} | {p['world_size']} | {layout} | {p['dmuon_opt_ms']:.1f} "
                      f"| {p['overhead_vs_adamw']:+.1%} | {p['vanilla_overhead_vs_adamw']:+.1%} | {p['imbalance']:.2f} "
                      f"| {p['dmuon_state_gb']:.2f} ({p['adamw_state_gb']:.2f}) |")
-    return "\n".join(lines) + "\n"
+    caveats = [f"{run['result']['model']}, {note}" for run in record["runs"]
+               for note in run["result"].get("not_modelled", [])]
+    return "\n".join(lines) + "\n" + "".join(f"\n{caveat}\n" for caveat in caveats)
 
 
 def exchange_table(record: dict) -> str:
