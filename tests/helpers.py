@@ -230,6 +230,14 @@ def dcp_load(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
 # ---------------------------------------------------------------- child interpreters
 
 
+def torchrun_env() -> dict[str, str]:
+    """This process's environment for a ``torchrun`` child: without the rank variables of a job
+    this process may itself be part of, one intra-op thread per rank."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
 def run_child_script(folder: Path, name: str, text: str, *arguments: str) -> subprocess.CompletedProcess:
     """``text`` run as script ``name`` (written into ``folder``) in a child interpreter that
     imports this checkout's dmuon, with ``arguments``."""

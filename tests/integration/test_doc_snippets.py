@@ -3,7 +3,6 @@ Markdown file by ``<!-- snippet: NAME -->`` above its fenced block (:func:`doc_s
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dmuon.tools.models import SyntheticTokens
+from tests.helpers import torchrun_env
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -31,10 +31,8 @@ def test_the_pipeline_snippet_trains_under_torchrun_at_4_ranks(tmp_path):
     stage's loss falls, and every rank ends cleanly."""
     script = tmp_path / "pipeline.py"
     script.write_text(doc_snippet("layouts.md", "pipeline"))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           str(script)], cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
+                           str(script)], cwd=tmp_path, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", done.stdout, re.M)]
     assert len(losses) == 3 and losses[2] < 0.8 * losses[0], done.stdout

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import dmuon
 from dmuon.layout import owned_by
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
 from tests.harness import run_on_ranks
+from tests.helpers import torchrun_env
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TRAIN = EXAMPLES / "train_gpt.py"
@@ -48,16 +48,10 @@ RUN = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--grad-accum
 STEPS = 4
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return {**env, "OMP_NUM_THREADS": "1"}
-
-
 def torchrun(args: list[str], cwd: Path, nproc: int = 2) -> None:
     """Run train_gpt.py under torchrun, as a user would."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    done = subprocess.run([*launcher, str(TRAIN), *args], cwd=cwd, env=_env(), capture_output=True, text=True,
+    done = subprocess.run([*launcher, str(TRAIN), *args], cwd=cwd, env=torchrun_env(), capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0, f"train_gpt.py {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 
