@@ -62,8 +62,8 @@ from dmuon.tools.corpus import VAL_EVERY, VOCAB_SIZE, Corpus, load_corpus, train
 from dmuon.tools.demo import CONFIGS, OptimizerFactory
 from dmuon.tools.hardware import available_memory
 from dmuon.tools.models import Llama, LlamaConfig, VLAConfig, get_config, param_count, training_bytes
-from dmuon.tools.vla import VLA, SyntheticEpisodes, vla_loss
-from dmuon.tools.workloads import Batch
+from dmuon.tools.vla import VLA, SyntheticEpisodes
+from dmuon.tools.workloads import Batch, training_loss
 
 WORKLOADS = ("text", "vla")
 VLA_PRESET = "vla-tiny"
@@ -76,17 +76,19 @@ HEAD_DIM = 32
 # Four lrs each (the same budget), doubling, chosen after a first sweep of three (AdamW 2e-3,
 # 4e-3, 8e-3; both Muons 4e-3, 8e-3, 1.6e-2) put AdamW's best at its lowest lr and the Muons'
 # at their highest: each sweep now reaches past its best on the side where it was cut.
-DEFAULT_LRS: dict[str, dict[str, tuple[float, ...]]] = {"text": {
-    "adamw": (5e-4, 1e-3, 2e-3, 4e-3),
-    "torch-muon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
-    "dmuon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
-}}
-# Just above AdamW's best final loss in that first sweep (2.33), so that every optimizer can
-# reach it within the default budget and steps to it compare them.
-DEFAULT_TARGET_LOSS = {"text": 2.4, "vla": 1.8}
 # The VLA: one sweep for all, doubling, after a first one (1e-3, 4e-3, 1.6e-2; seed 0, 300 steps)
 # put AdamW's and dmuon's best at 1.6e-2 with 4e-3 close behind: this one reaches past it.
-DEFAULT_LRS["vla"] = {name: (2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2) for name in ("adamw", "torch-muon", "dmuon")}
+DEFAULT_LRS: dict[str, dict[str, tuple[float, ...]]] = {
+    "text": {
+        "adamw": (5e-4, 1e-3, 2e-3, 4e-3),
+        "torch-muon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
+        "dmuon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
+    },
+    "vla": {name: (2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2) for name in ("adamw", "torch-muon", "dmuon")},
+}
+# Text: just above AdamW's best final loss in that first sweep (2.33), so that every optimizer can
+# reach it within the default budget and steps to it compare them.
+DEFAULT_TARGET_LOSS = {"text": 2.4, "vla": 1.8}
 DEFAULT_STEPS = {"text": 200, "vla": 300}
 
 
@@ -141,10 +143,7 @@ def vla_task(config: VLAConfig, batch_size: int, val_count: int) -> Task:
         val = [episodes.batch(VAL_FIRST_STEP + i, batch_size) for i in range(val_count)]
         return (lambda step: episodes.batch(step, batch_size)), val
 
-    def loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-        return vla_loss(model(batch.images, batch.tokens, batch.noisy_actions), batch)
-
-    return Task(lambda seed: VLA(config, seed=seed), batches, loss)
+    return Task(lambda seed: VLA(config, seed=seed), batches, training_loss)
 
 
 @dataclass(frozen=True)
@@ -403,6 +402,11 @@ def _lrs_option(name: str) -> str:
     return f"--{name}-lrs"
 
 
+def _lrs_attribute(name: str) -> str:
+    """Where argparse keeps :func:`_lrs_option`'s value."""
+    return f"{name.replace('-', '_')}_lrs"
+
+
 def _defaults_help(values: dict[str, object]) -> str:
     return "; ".join(f"{workload}: {value}" for workload, value in values.items())
 
@@ -459,9 +463,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _fill_workload_defaults(args: argparse.Namespace) -> None:
     for name in CONFIGS:
-        attribute = f"{name.replace('-', '_')}_lrs"
-        if getattr(args, attribute) is None:
-            setattr(args, attribute, list(DEFAULT_LRS[args.workload][name]))
+        if getattr(args, _lrs_attribute(name)) is None:
+            setattr(args, _lrs_attribute(name), list(DEFAULT_LRS[args.workload][name]))
     if args.steps is None:
         args.steps = DEFAULT_STEPS[args.workload]
     if args.target_loss is None:
@@ -523,7 +526,7 @@ def describe(args: argparse.Namespace, corpus: Corpus | None, model: LlamaConfig
 def sweep(args: argparse.Namespace, task: Task) -> list[Run]:
     """Every optimizer of ``args.optimizers`` at every lr of its sweep and every seed, one after the
     other; one line per run on stderr (on a terminal, rewritten at each evaluation while it goes on)."""
-    todo = [(name, lr, seed) for name in args.optimizers for lr in getattr(args, f"{name.replace('-', '_')}_lrs")
+    todo = [(name, lr, seed) for name in args.optimizers for lr in getattr(args, _lrs_attribute(name))
             for seed in range(args.seed, args.seed + args.seeds)]
     carriage_return = "\r" if sys.stderr.isatty() else ""
     runs = []

@@ -63,10 +63,6 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 3, rows: sl
     return losses
 
 
-def params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
 def test_a_compiled_model_trains_as_the_eager_one():
     """``torch.compile(model)``: the optimizer holds the same parameters; aot_eager keeps the
     eager kernels, so the weights after three steps are the eager run's (to rounding)."""
@@ -75,8 +71,8 @@ def test_a_compiled_model_trains_as_the_eager_one():
     model = Blocks()
     compiled = torch.compile(model, backend="aot_eager")
     train(compiled, dmuon.Muon(model, **HPARAMS))
-    for name, weight in params(eager).items():
-        torch.testing.assert_close(params(model)[name], weight, rtol=1e-5, atol=1e-6)
+    for name, weight in whole_params(eager).items():
+        torch.testing.assert_close(whole_params(model)[name], weight, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("early_start", [False, True])
@@ -88,7 +84,7 @@ def test_activation_checkpointing_is_bitwise_the_same_training(early_start):
     recomputed = Blocks(recompute=True)
     opt = dmuon.Muon(recomputed, early_start=early_start, **HPARAMS)
     train(recomputed, opt)
-    assert all(torch.equal(a, b) for a, b in zip(params(recomputed).values(), params(plain).values()))
+    assert all(torch.equal(a, b) for a, b in zip(whole_params(recomputed).values(), whole_params(plain).values()))
     if early_start:
         assert opt.early_start.startswith("on")
 
@@ -130,11 +126,11 @@ def test_fp16_autocast_with_a_grad_scaler_skips_the_step_an_overflow_spoils():
     of 2**40 overflows fp16's range (65504) in backward, so that step leaves the model alone and
     the scale falls; the loop then trains."""
     model = Blocks()
-    before = params(model)
+    before = whole_params(model)
     opt = dmuon.Muon(model, **HPARAMS)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
     losses = train(model, opt, steps=1, autocast=torch.float16, scaler=scaler)
-    assert all(torch.equal(p, before[name]) for name, p in params(model).items())
+    assert all(torch.equal(p, before[name]) for name, p in whole_params(model).items())
     assert scaler.get_scale() < 2.0**40 and opt.skipped_steps == 0  # the scaler skipped it, not dmuon
     losses = train(model, opt, steps=12, autocast=torch.float16, scaler=scaler)
     assert losses[-1] < losses[0] and all(p.dtype == torch.float32 for p in model.parameters())
@@ -160,7 +156,7 @@ def test_parameters_of_several_dtypes_in_one_optimizer_step_as_each_dtype_alone(
     for name, p in alone.named_parameters():
         by_dtype.setdefault(p.dtype, []).append((name, p))
     train_mixed(alone, [dmuon.Muon(named, **HPARAMS) for named in by_dtype.values()])
-    for (name, a), b in zip(params(model).items(), params(alone).values()):
+    for (name, a), b in zip(whole_params(model).items(), whole_params(alone).values()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16, torch.float64, torch.float32}
 
