@@ -89,24 +89,29 @@ def test_activation_checkpointing_is_bitwise_the_same_training(early_start):
         assert opt.early_start.startswith("on")
 
 
-def fsdp_with_checkpointing(recompute: bool) -> dict:
+def fsdp_with_checkpointing(recompute: bool, dtype: torch.dtype) -> dict:
     torch.set_num_threads(1)
-    model = Blocks(recompute=recompute)
+    model = Blocks(recompute=recompute).to(dtype)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     half = BATCH // dist.get_world_size()
     rank = dist.get_rank()
-    train(model, dmuon.Muon(model, **HPARAMS), rows=slice(rank * half, (rank + 1) * half))
+    train(model, dmuon.Muon(model, **HPARAMS), rows=slice(rank * half, (rank + 1) * half),
+          autocast=None if dtype == torch.float32 else dtype)
     return whole_params(model)
 
 
-def test_activation_checkpointing_under_fsdp2_is_bitwise_the_same_training():
-    plain = run_on_ranks(2, fsdp_with_checkpointing, False)[0]
-    recomputed = run_on_ranks(2, fsdp_with_checkpointing, True)[0]
-    assert plain.keys() == recomputed.keys()
-    assert all(torch.equal(plain[name], recomputed[name]) for name in plain)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_checkpointing_under_fsdp2_is_bitwise_the_same_training(dtype):
+    """bf16 parameters too (the forward then computes in bf16: autocast to their dtype)."""
+    plain = run_on_ranks(2, fsdp_with_checkpointing, False, dtype)
+    recomputed = run_on_ranks(2, fsdp_with_checkpointing, True, dtype)
+    assert plain[0].keys() == recomputed[0].keys()
+    assert all(torch.equal(plain[0][name], recomputed[0][name]) for name in plain[0])
+    assert all(torch.equal(plain[0][name], plain[1][name]) for name in plain[0])  # every rank sees the same
+    assert {p.dtype for p in plain[0].values()} == {dtype}
 
 
 def test_bf16_autocast_trains_fp32_parameters_and_state():
