@@ -58,6 +58,9 @@ MEASUREMENTS = {
     "quality": Measurement("Training quality on real text", [["dmuon", "quality", "--json", "{out}"]]),
     "quality-vla": Measurement("Training quality on the embodied model, and its lr",
                                [["dmuon", "quality", "--workload", "vla", "--seeds", "3", "--json", "{out}"]]),
+    "quality-family": Measurement("The Muon family on real text: NorMuon beside Muon and AdamW",
+                                  [["dmuon", "quality", "--optimizers", "adamw,dmuon,dmuon-normuon", "--seeds", "3",
+                                    "--json", "{out}"]]),
 }
 
 
@@ -230,6 +233,9 @@ SECTIONS = {  # measurement → (what the table shows, how to read it)
                      "AdamW's included."),
     "quality": (quality_table, "Byte-level language modelling of the Python standard library's source: each "
                 "optimizer's best of four peak learning rates, 200 steps, one thread."),
+    "quality-family": (quality_table, "The text task of \"Training quality on real text\": each optimizer's best "
+                       "of four peak learning rates by the mean over 3 seeds, `update_rule=\"normuon\"` against "
+                       "dmuon's Muon and AdamW."),
     "quality-vla": (quality_table, "The embodied model `vla-tiny` (frozen vision tower, language model, action "
                     "expert) on synthetic episodes, validated on episodes no run trains on (prompt cross-entropy + "
                     "action MSE): each optimizer's best of five peak learning rates by the mean over 3 seeds, "

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from dmuon.orthogonalization import NS_DTYPES, SYMMETRIC_PRODUCTS, NSConfig, resolve_config
+from dmuon.rules import RULE_OPTIONS, check_rule_name
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
@@ -23,7 +24,7 @@ STATE_KEYS = {"muon": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_av
 
 MUON_KEYS = (
     "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
-    "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts", "ns_blocks",
+    "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts", "ns_blocks", "update_rule", *RULE_OPTIONS,
 )
 # AdamW's options as a param group stores them; None for lr and weight decay: the group's own.
 ADAMW_GROUP_KEYS = ("adamw_lr", "adamw_weight_decay", "adamw_betas", "adamw_eps")
@@ -210,6 +211,9 @@ def validate_muon_group(group: dict[str, Any], where: str = "") -> None:
     _check_range("eps", group["eps"], where, 0.0, low_open=True)
     if not isinstance(group["nesterov"], bool):
         raise ValueError(f"Invalid nesterov={group['nesterov']!r}{where}. Must be a bool.")
+    check_rule_name(group["update_rule"], where)
+    for name, (low, high) in RULE_OPTIONS.items():
+        _check_range(name, group[name], where, low, high)
     if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
         raise ValueError(f"Invalid adjust_lr_fn={group['adjust_lr_fn']!r}{where}. Must be one of {ADJUST_LR_FNS}.")
     try:  # resolving for a square and a wide shape exercises every option of the recipe

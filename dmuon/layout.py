@@ -234,6 +234,24 @@ def _splits_dim0_only(placements: tuple) -> bool:
     return all(getattr(p, "dim", None) == 0 for p in placements)  # Shard(0), _StridedShard(0)
 
 
+def row_state_placements(param: DTensor, stack: bool) -> tuple:
+    """Where an update rule's row state of ``param`` lives (:mod:`dmuon.rules`): whole on every
+    rank holding a piece of the parameter (replicated: its owner needs every row), except for a
+    stack whose ranks hold whole matrices (:func:`detect_layout`'s local stacks), sharded as it is."""
+    placements = tuple(param.placements)
+    if stack and _splits_dim0_only(placements):
+        return placements
+    return (Replicate(),) * len(placements)
+
+
+def row_state_zeros(param: Tensor, shape: tuple[int, ...], stack: bool) -> Tensor:
+    """A zero row state of ``shape`` (fp32) for ``param``, placed as :func:`row_state_placements` says."""
+    zeros = torch.zeros(shape, dtype=torch.float32, device=param.device)
+    if not isinstance(param, DTensor):
+        return zeros
+    return distribute_tensor(zeros, param.device_mesh, row_state_placements(param, stack), src_data_rank=None)
+
+
 def _group_ranks(process_group: dist.ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(process_group))
 

@@ -59,6 +59,9 @@ class Muon(torch.optim.Optimizer):
             standard NS on CPUs with native bf16, else fp32).
         ns_restarts: Gram NS restart steps (None: placed for the schedule).
         ns_blocks: fused weights' row blocks, orthogonalized apart: an int k or row counts.
+        update_rule: what the owner does to the orthogonalized update (:mod:`dmuon.rules`): "muon"
+            (nothing) or "normuon" (rows divided by their running RMS, the norm restored).
+        beta2: NorMuon's second-moment decay, in [0, 1).
         adamw_betas: AdamW's betas.
         adamw_eps: AdamW's eps.
         adamw_lr: AdamW's lr where it differs from ``lr``; it then follows ``lr``'s schedule.
@@ -111,6 +114,8 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype | str | None = None,
         ns_restarts: Sequence[int] | None = None,
         ns_blocks: int | Sequence[int] | None = None,
+        update_rule: str = "muon",
+        beta2: float = 0.95,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_lr: float | Tensor | None = None,
@@ -129,9 +134,9 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
             eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
-            ns_restarts=ns_restarts, ns_blocks=ns_blocks, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-            adamw_lr=adamw_lr, adamw_weight_decay=adamw_weight_decay, nonfinite_grads=nonfinite_grads,
-        )
+            ns_restarts=ns_restarts, ns_blocks=ns_blocks, update_rule=update_rule, beta2=beta2, adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps, adamw_lr=adamw_lr, adamw_weight_decay=adamw_weight_decay,
+            nonfinite_grads=nonfinite_grads)
         options = EngineOptions(comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products, compile,
                                 cuda_graphs, early_start)
         # sets _stepper (the step's owner), _job and _process_group (the agreement's and the replicas' groups)
@@ -156,9 +161,8 @@ class Muon(torch.optim.Optimizer):
         entry_points.load_state_dict(self, state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
-        """All of the optimizer but, as torch.optim drops them, its step hooks; the stepper
-        rebuilds its engine from the options (a deep copy or an unpickled optimizer can step), and
-        a :class:`dmuon.QKClip` stays with the original."""
+        """All of the optimizer but its step hooks, as torch.optim drops them; the stepper rebuilds its engine
+        (a deep copy or an unpickled optimizer can step), and a :class:`dmuon.QKClip` stays with the original."""
         left_out = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
         return {k: v for k, v in self.__dict__.items() if k not in left_out}
 
@@ -166,8 +170,7 @@ class Muon(torch.optim.Optimizer):
         super().__setstate__(state)
         self._stepper.order_buckets(self.param_groups)
 
-    # torch.compile(opt.step) would trace the collectives and the host decisions of a step;
-    # it runs the step eagerly instead (compile=True compiles the step's tensor code)
+    # torch.compile(opt.step) would trace a step's collectives and host logic: it runs eagerly (compile=True compiles)
     @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -35,12 +35,15 @@ from dmuon.hyperparameters import (
     validate_adamw_group,
     validate_muon_group,
 )
-from dmuon.layout import owned_by
+from dmuon.layout import owned_by, row_state_placements
 from dmuon.orthogonalization import default_dtype_reason
-from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, Route, block_rows, default_route, matrix_shape
+from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, Route, block_rows, default_route, is_stack, matrix_shape, row_shape
+from dmuon.rules import RULE_OPTIONS, RULES, rule_of
 from dmuon.tensors import label
 
 Entry = tuple[str | None, Tensor]
+# a group's "algorithm": a route for all its parameters, or "normuon" (Muon with NorMuon's update rule)
+GROUP_ALGORITHMS = (*ALGORITHMS, "normuon")
 
 
 def check_params_type(params: Any) -> None:
@@ -101,8 +104,11 @@ def build_group(param_group: dict[str, Any], defaults: dict[str, Any], index: in
                          + f" A group takes: {', '.join(sorted(known - {'params'}))}.")
     check_use_addmm(param_group.get("use_addmm", False), where)
     algorithm = param_group.get("algorithm")
-    if algorithm is not None and algorithm not in ALGORITHMS:
-        raise ValueError(f"Invalid algorithm={algorithm!r}{where}. Must be one of {ALGORITHMS}.")
+    if algorithm is not None and algorithm not in GROUP_ALGORITHMS:
+        raise ValueError(f"Invalid algorithm={algorithm!r}{where}. Must be one of {GROUP_ALGORITHMS}.")
+    if algorithm == "normuon" and param_group.get("update_rule", "normuon") != "normuon":
+        raise ValueError(f"algorithm='normuon' and update_rule={param_group['update_rule']!r} disagree{where}: "
+                         "give one.")
     view_override = param_group.get("matrix_view")
     if view_override is not None and view_override not in MATRIX_VIEWS:
         raise ValueError(f"Invalid matrix_view={view_override!r}{where}. Must be one of {MATRIX_VIEWS}.")
@@ -118,7 +124,10 @@ def build_group(param_group: dict[str, Any], defaults: dict[str, Any], index: in
     if not isinstance(group["ns_blocks"], (int, type(None))):
         group["ns_blocks"] = list(group["ns_blocks"])  # plain values: DCP state dicts take them
     group.update(adamw_options(param_group, defaults), algorithm=algorithm, base_lr=float(group["lr"]))
-    routes = [route(name, param, i, algorithm, view_override, group, roles, where)
+    if algorithm == "normuon":  # Muon's engine, with NorMuon's rule
+        group["update_rule"] = "normuon"
+    routes = [route(name, param, i, "muon" if algorithm == "normuon" else algorithm, view_override, group, roles,
+                    where)
               for i, (name, param) in enumerate(entries)]
     group["algorithms"] = [r.algorithm for r in routes]
     group["matrix_views"] = [r.matrix_view for r in routes]
@@ -525,6 +534,17 @@ def from_torch_muon(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]
     return {"state": converted_state, "param_groups": converted_groups}
 
 
+def with_rule_keys(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A state dict saved before update rules existed, its groups as they were stepped: with
+    update rule "muon", and this optimizer's values of the rules' options (which Muon's ignores)."""
+    saved = state_dict.get("param_groups")
+    if not isinstance(saved, list) or all(not isinstance(g, dict) or "update_rule" in g for g in saved):
+        return state_dict
+    added = [{"update_rule": "muon", **{key: mine[key] for key in RULE_OPTIONS}} for mine in groups]
+    return {**state_dict, "param_groups": [{**new, **g} if isinstance(g, dict) else g
+                                           for g, new in zip(saved, added)] + saved[len(added):]}
+
+
 def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
     """Raise a ValueError naming the group or parameter if ``state_dict`` cannot be loaded
     into these groups: missing keys, hyperparameters the constructor would refuse, state of
@@ -552,19 +572,27 @@ def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]])
         if not isinstance(saved["params"], list) or len(saved["params"]) != len(mine["params"]):
             raise ValueError(f"Param group {g} of the state dict has 'params' {_length(saved['params'])}, for "
                              f"this optimizer's {len(mine['params'])} parameters.")
+        if "muon" in mine["algorithms"] and saved["update_rule"] != mine["update_rule"]:
+            raise ValueError(f"Param group {g} of the state dict was saved with update_rule={saved['update_rule']!r}, "
+                             f"this optimizer's is {mine['update_rule']!r}: give the group the rule it was saved with "
+                             "to load it (to switch rules, set the group's \"update_rule\" after loading; a rule's "
+                             "state starts at zero).")
         names = names_of(mine, g)
         for i, (key, p) in enumerate(zip(saved["params"], mine["params"])):
             entry = state.get(key, {})
             if not isinstance(entry, dict):
                 raise ValueError(f"The state of parameter {names[i]!r} is a {type(entry).__name__}, not a dict.")
             algorithm = mine["algorithms"][i]
-            others = sorted({k for k in entry if k not in STATE_KEYS[algorithm]} & set(_STATE_OWNER))
+            kept = (*STATE_KEYS[algorithm], *_row_state_keys(mine, algorithm))
+            others = sorted({k for k in entry if k not in kept} & set(_STATE_OWNER))
             if others:
                 raise ValueError(f"Parameter {names[i]!r} is routed to {algorithm} here, but its state in the state "
                                  f"dict is {_STATE_OWNER[others[0]]}'s ({others}): it was saved by an optimizer that "
                                  "routed it otherwise. Give its group the same \"algorithm\" as when it was saved.")
             for name in STATE_KEYS[algorithm] if entry else ():
                 _check_state_tensor(entry.get(name), name, p, names[i])
+            for name in _row_state_keys(mine, algorithm) if entry else ():
+                _check_row_state(entry.get(name), name, p, mine["matrix_views"][i], names[i])
     keys = [key for saved in saved_groups for key in saved["params"]]
     if len(set(keys)) != len(keys):
         raise ValueError(f"The state dict's param groups list a parameter key twice: {keys}.")
@@ -579,7 +607,35 @@ def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]])
         validate_adamw_group(saved, where)
 
 
-_STATE_OWNER = {key: algorithm for algorithm, keys in STATE_KEYS.items() for key in keys}  # which algorithm keeps it
+# which algorithm (or Muon's update rule) keeps each state key
+_STATE_OWNER = {**{key: algorithm for algorithm, keys in STATE_KEYS.items() for key in keys},
+                **{rule.state: rule.name for rule in RULES.values() if rule.state is not None}}
+
+
+def _row_state_keys(group: dict[str, Any], algorithm: str) -> tuple[str, ...]:
+    """The row state a parameter of ``group`` routed to ``algorithm`` keeps: its update rule's, for Muon."""
+    state = rule_of(group).state if algorithm == "muon" else None
+    return () if state is None else (state,)
+
+
+def _check_row_state(value: Any, key: str, param: Tensor, view: str, name: str) -> None:
+    """An update rule's row state against its parameter: a tensor of :func:`row_shape`, laid out
+    as :func:`dmuon.layout.row_state_placements` places it."""
+    if not isinstance(value, Tensor) or value.is_meta:
+        raise ValueError(f"The state of parameter {name!r} lacks {key!r} (or it is not a tensor with values): it was "
+                         "saved with another update rule?")
+    expected = row_shape(param.shape, view)
+    if tuple(value.shape) != expected:
+        raise ValueError(f"The state of parameter {name!r} has {key} of shape {tuple(value.shape)}; one number per "
+                         f"row of the parameter's matrices is shape {expected}.")
+    placements = row_state_placements(param, is_stack(param, view)) if isinstance(param, DTensor) else None
+    elsewhere = placements is not None and (tuple(value.placements) != placements
+                                            or value.device_mesh != param.device_mesh)
+    if isinstance(value, DTensor) != isinstance(param, DTensor) or elsewhere:
+        raise ValueError(f"The state of parameter {name!r} has {key} in another layout than this optimizer keeps it "
+                         f"({'placements ' + str(placements) if placements else 'a plain tensor'}): load it through "
+                         "torch.distributed.checkpoint (get_optimizer_state_dict/set_optimizer_state_dict), which "
+                         "reshards.")
 
 
 def _length(value: Any) -> str:

@@ -6,7 +6,8 @@ paths against: same algorithm, written as directly as possible. Pair it with
 
 It computes the momentum, the update and the lr factor itself. From the package it takes only
 the Newton–Schulz core (``dmuon.orthogonalization.newton_schulz``, tested on its own against the
-exact polynomial) and what configures it: Muon's defaults, and how a parameter is read as
+exact polynomial), the update rules (:mod:`dmuon.rules`, NorMuon's tested on its own against the
+paper's algorithm) and what configures them: Muon's defaults, and how a parameter is read as
 matrices and row blocks (``dmuon.routing.matrix_shape``, ``block_rows``).
 """
 
@@ -22,14 +23,15 @@ from torch import Tensor
 
 from dmuon.optimizer import Muon
 from dmuon.orthogonalization import newton_schulz
-from dmuon.routing import block_rows, matrix_shape
+from dmuon.routing import block_rows, matrix_shape, row_shape
+from dmuon.rules import RULES, apply_rule
 
 # The hyperparameters the reference's step reads, listed here rather than taken from the fast
 # path. Their defaults are Muon's own (read from its signature), so the two cannot drift apart;
 # a key Muon no longer takes fails here, at import.
 HYPERPARAMETERS = (
     "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
-    "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts", "ns_blocks",
+    "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts", "ns_blocks", "update_rule", "beta2",
 )
 _DEFAULTS = {name: inspect.signature(Muon.__init__).parameters[name].default for name in HYPERPARAMETERS}
 
@@ -77,15 +79,19 @@ class ReferenceMuon(torch.optim.Optimizer):
                 count, m, n = matrix_shape(p.shape, group["matrix_view"])
                 matrices = ns_input.reshape(count, m, n)
                 rows = block_rows(group["ns_blocks"], m)
-                if len(rows) == 1:
-                    update = torch.stack([self._orthogonalize(matrices[i], group) for i in range(count)])
-                    scale = lr_factor(group["adjust_lr_fn"], m, n)
-                else:  # fused weights: every block orthogonalized and scaled for its own shape
-                    update = torch.stack([
-                        torch.cat([self._orthogonalize(block, group) * lr_factor(group["adjust_lr_fn"], r, n)
-                                   for block, r in zip(matrices[i].split(rows), rows)])
-                        for i in range(count)
-                    ])
+                # fused weights: every block orthogonalized (and below, ruled and scaled) as its own matrix
+                update = torch.stack([torch.cat([self._orthogonalize(b, group) for b in matrices[i].split(rows)])
+                                      for i in range(count)])
+                rule = RULES[group["update_rule"]]
+                if rule.fn is not None:
+                    row_state = state.setdefault(rule.state, torch.zeros(row_shape(p.shape, group["matrix_view"]),
+                                                                         device=p.device))
+                    update, new_state = apply_rule(rule, update, row_state.view(count, m), rows, group)
+                    row_state.view(count, m).copy_(new_state)
+                scale = lr_factor(group["adjust_lr_fn"], m, n)
+                if len(rows) > 1:
+                    for i, block in enumerate(update.split(rows, dim=1)):
+                        block.mul_(lr_factor(group["adjust_lr_fn"], rows[i], n))
                     scale = 1.0
                 lr = float(group["lr"])
                 p.mul_(1 - lr * group["weight_decay"])

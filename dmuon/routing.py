@@ -137,6 +137,20 @@ def matrix_shape(shape: Iterable[int], matrix_view: str) -> tuple[int, int, int]
     raise ValueError(f"Invalid matrix_view={matrix_view!r}. Must be one of {MATRIX_VIEWS}.")
 
 
+def row_shape(shape: Iterable[int], matrix_view: str) -> tuple[int, ...]:
+    """One number per row of the matrices Muon sees in a parameter of ``shape`` (an update
+    rule's row state, :mod:`dmuon.rules`): the shape without its last dimension, or for a
+    flattened parameter its first."""
+    shape = tuple(shape)
+    count, m, _ = matrix_shape(shape, matrix_view)
+    return shape[:-1] if count * m == math.prod(shape[:-1]) else shape[:1]
+
+
+def is_stack(param: Tensor, matrix_view: str) -> bool:
+    """Whether Muon sees ``param`` as a stack of matrices along dim 0 (3-D expert weights)."""
+    return param.ndim == 3 and matrix_view in ("auto", "batch")
+
+
 def block_rows(ns_blocks: int | Iterable[int] | None, m: int) -> tuple[int, ...]:
     """The row blocks Muon orthogonalizes separately in an m-row matrix (fused weights: QKV,
     gate/up, per head): ``None`` → one block; an int k → blocks of k rows; a sequence → those

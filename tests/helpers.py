@@ -62,8 +62,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (collective for a DTensor: every rank calls it in the same order)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+    """A copy of the whole tensor (collective for a DTensor: every rank calls it in the same
+    order; a replicated DTensor's would otherwise be its local tensor itself, which later steps change)."""
+    return t.full_tensor().clone() if isinstance(t, DTensor) else t.detach().clone()
 
 
 def rows_of(full: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
@@ -116,13 +117,13 @@ LLAMA_HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=t
 def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = torch.float32,
                 mixed_precision: bool = False, early_start: bool | None = None, bucket_bytes: int | None = None,
                 qk_threshold: float | None = None, ddp_comm_hook: bool = False,
-                ddp_options: dict | None = None) -> dict:
+                ddp_options: dict | None = None, update_rule: str = "muon") -> dict:
     """Train the tiny model; ``parallel`` None is the single-process reference, else "ddp",
     "fsdp", "hsdp", "owner" (the blocks' matrices owner-sharded) or "fsdp+tp" (a (dp, 2) mesh,
     :func:`tensor_parallel_blocks`) with the data split across the data-parallel ranks.
 
     ``dtype``: the parameters' dtype; ``mixed_precision``: FSDP2 computes in bf16 and reduces
-    in fp32 while its sharded parameters stay fp32. ``early_start``, ``bucket_bytes``: dmuon's options;
+    in fp32 while its sharded parameters stay fp32. ``early_start``, ``bucket_bytes``, ``update_rule``: dmuon's options;
     ``qk_threshold``: QK-clip's τ (``dmuon.QKClip.for_model``), None: no clip. ``ddp_comm_hook``:
     register dmuon's (``Muon.register_ddp_comm_hook``); ``ddp_options``: DistributedDataParallel's.
     """
@@ -148,7 +149,7 @@ def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = t
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         rank, world = mesh["dp"].get_local_rank(), world // 2  # tensor-parallel ranks see the same batch
-    opt = dmuon.Muon(model, replica_split=replica_split, early_start=early_start,
+    opt = dmuon.Muon(model, replica_split=replica_split, early_start=early_start, update_rule=update_rule,
                      **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}), **LLAMA_HPARAMS)
     if ddp_comm_hook:
         opt.register_ddp_comm_hook(model)

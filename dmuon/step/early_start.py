@@ -165,8 +165,7 @@ class EarlyValues(StepValues):
     ``step()`` can tell whether it changed."""
 
     def __init__(self, plan: StepPlan, state: dict) -> None:
-        super().__init__(plan, {}, None, {}, hold=True)
-        self.state = state
+        super().__init__(plan, state, {}, None, {}, hold=True)
         self.read: dict[int, Read] = {}  # id(param) -> what the inputs were made of
         # id(param) -> its final gradient where that is not param.grad yet: DDP's all-reduced
         # bucket, which DDP copies into param.grad at the end of the backward pass

@@ -40,7 +40,8 @@ from dmuon.planner import (
     exchange_groups,
     exchange_plans,
 )
-from dmuon.routing import block_rows, matrix_shape
+from dmuon.routing import block_rows, is_stack, matrix_shape
+from dmuon.rules import UpdateRule, rule_of
 from dmuon.step.elementwise import CompiledKernels, compile_kernels
 from dmuon.step.engine import Engine
 from dmuon.strategies.base import Block, MatrixWork, Strategy, return_dtype, unit_of, wire_dtype
@@ -52,7 +53,7 @@ from dmuon.tensors import local
 
 # the param-group keys a plan depends on (the rest — lr, weight decay, momentum — is read each step)
 PLANNED_KEYS = ("ns_coefficients", "eps", "ns_steps", "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts",
-                "ns_blocks")
+                "ns_blocks", "update_rule")
 
 
 def steps_here(param: Tensor) -> bool:
@@ -82,11 +83,12 @@ class StepPlan:
     chunks: dict[tuple[int, ...], list] = field(default_factory=dict)  # StepValues' groupings
 
 
-def column_blocks_possible(p: Tensor, process_group: dist.ProcessGroup | None, blocks: tuple) -> bool:
+def column_blocks_possible(p: Tensor, process_group: dist.ProcessGroup | None, blocks: tuple, rule: UpdateRule
+                           ) -> bool:
     """Whether ``p``'s kind allows distributed NS on the ranks' own column blocks: an unfused
-    DTensor matrix with a process group (its layout decides the rest:
-    :func:`dmuon.planner.column_blocks_fit`)."""
-    return isinstance(p, DTensor) and p.ndim == 2 and process_group is not None and not blocks
+    DTensor matrix with a process group and no update rule (which needs the whole update on one
+    rank); its layout decides the rest (:func:`dmuon.planner.column_blocks_fit`)."""
+    return isinstance(p, DTensor) and p.ndim == 2 and process_group is not None and not blocks and rule.fn is None
 
 
 def build_engine(options: EngineOptions, process_group: dist.ProcessGroup | None,
@@ -159,7 +161,8 @@ class StepPlanner:
     def _column_block_cost(self, entry: MuonParam, work: MatrixWork) -> float | None:
         """What every rank of the group pays when ``entry`` (laid out as ``work``, replicas not
         split) runs distributed NS on its column blocks; None where it cannot."""
-        if self.distributed_ns is False or not (column_blocks_possible(entry.param, work.process_group, work.blocks)
+        if self.distributed_ns is False or not (column_blocks_possible(entry.param, work.process_group, work.blocks,
+                                                                       work.rule)
                                                 and column_blocks_fit(work.layout)):
             return None
         blocks = self._work(entry, split_replicas=False, column_blocks=True)
@@ -168,8 +171,9 @@ class StepPlanner:
 
     @staticmethod
     def _splittable(work: MatrixWork) -> bool:
-        """One unfused 2-D matrix with a process group: a gang could split it."""
-        return work.process_group is not None and not work.blocks and work.count == 1 and len(work.layout.shape) == 2
+        """One unfused 2-D matrix with a process group and no update rule: a gang could split it."""
+        return (work.process_group is not None and not work.blocks and work.count == 1 and len(work.layout.shape) == 2
+                and work.rule.fn is None)
 
     def _wire(self, work: MatrixWork) -> str:
         """The dtypes ``work`` crosses the network in, to its owner and (where it differs) back:
@@ -226,7 +230,7 @@ class StepPlanner:
         """One parameter's work: with ``split_replicas`` HSDP replicas share the exchange; with
         ``column_blocks`` (where the layout allows it) it runs distributed NS on column blocks."""
         name, p, group, view = entry.name, entry.param, entry.param_group, entry.view
-        stack = p.ndim == 3 and view in ("auto", "batch")
+        stack = is_stack(p, view)
         layout, process_group = detect_layout(p, name, self._process_group(), split_replicas=split_replicas,
                                               stack=stack)
         # what NS sees: a local stack's own matrices, or for Shard(1) the transpose
@@ -245,7 +249,9 @@ class StepPlanner:
         )
         # distributed NS on the ranks' own column blocks: (Gram side, other side); a Shard(1)
         # matrix is split by columns already, a Shard(0) one by the columns of its transpose
-        column_blocks = column_blocks and column_blocks_possible(p, process_group, blocks) and column_blocks_fit(layout)
+        rule = rule_of(group)
+        column_blocks = (column_blocks and column_blocks_possible(p, process_group, blocks, rule)
+                         and column_blocks_fit(layout))
         if column_blocks:
             count, m, n = 1, *((rows_of_p, cols_of_p) if layout.transposed else (cols_of_p, rows_of_p))
             config = ns_config(group, (m, n), p.device.type, self.symmetric_for((m, n)))
@@ -256,7 +262,8 @@ class StepPlanner:
         lr_scale = 1.0 if blocks else adjusted_lr_ratio(group["adjust_lr_fn"], rows_of_p, cols_of_p)
         # Newton–Schulz's last product rounds the update to its dtype; widened to the parameter's,
         # it holds those values still, so narrowing it back for the return is exact (a fused
-        # block's scale would follow the cast, and bf16 → fp16 or back is no narrowing)
-        narrow_return = self.narrow_returns and not blocks and config.dtype.itemsize < piece.dtype.itemsize
+        # block's scale or an update rule would follow the cast, and bf16 → fp16 or back is no narrowing)
+        narrow_return = (self.narrow_returns and not blocks and rule.fn is None
+                         and config.dtype.itemsize < piece.dtype.itemsize)
         return MatrixWork(name, p, group, lr_scale, local_shape, piece.dtype, layout, GroupRef(process_group), count,
-                          m, n, config, blocks, column_blocks, narrow_return=narrow_return)
+                          m, n, config, blocks, column_blocks, narrow_return=narrow_return, rule=rule)

@@ -24,8 +24,17 @@ from dmuon import param_groups
 from dmuon.agreement import Fingerprint, PreparedStep, agree_on_step, digest_words
 from dmuon.exchange import GroupRef, collective_device
 from dmuon.hyperparameters import EngineOptions
-from dmuon.layout import finish_fsdp_backward, fsdp_left_in_backward, fsdp_states, owned_by, owner_shardings
+from dmuon.layout import (
+    finish_fsdp_backward,
+    fsdp_left_in_backward,
+    fsdp_states,
+    owned_by,
+    owner_shardings,
+    row_state_zeros,
+)
 from dmuon.planner import Plan
+from dmuon.routing import is_stack, row_shape
+from dmuon.rules import ROW_STATE_KEYS, rule_of
 from dmuon.step.early_start import CHANGED, USED, EarlyStart, unsupported_because, wanted
 from dmuon.step.elementwise import adamw_steps, update_momentum_of
 from dmuon.step.engine import StepStats
@@ -219,7 +228,7 @@ class Stepper:
         if self.early.setting:  # early_start=True where this plan cannot run it: raised before anything moves
             self.early.check(plan, self.compiled)
         pieces = update_momentum_of(entries, state, self.kernels)
-        values = StepValues(plan, pieces, self.kernels, self.update_squares, adamw)
+        values = StepValues(plan, state, pieces, self.kernels, self.update_squares, adamw)
         if run is not None and use_run and run.plan is plan:
             values.apply_held(run.values)  # the updates the backward pass computed, on the same inputs
             values.overlap()
@@ -289,10 +298,19 @@ class Stepper:
 def init_state(groups: Groups, state: dict, muon: Sequence[param_groups.MuonParam], stepped: set[int]) -> None:
     """The state of each parameter this step updates, created at its first step (as torch's
     ``_init_group`` does): Muon's momentum buffer, AdamW's step count and two moments, each
-    shaped and placed like the parameter (a DTensor's: its placement)."""
+    shaped and placed like the parameter (a DTensor's: its placement); the row state of a Muon
+    group's update rule (:func:`dmuon.layout.row_state_zeros`), created when the rule is set, and
+    dropped when the group's rule no longer keeps it."""
     for m in muon:
-        if "momentum_buffer" not in state[m.param]:
-            state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
+        entry = state[m.param]
+        if "momentum_buffer" not in entry:
+            entry["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
+        kept = rule_of(m.param_group).state
+        for key in ROW_STATE_KEYS:
+            if key != kept:
+                entry.pop(key, None)
+        if kept is not None and kept not in entry:
+            entry[kept] = row_state_zeros(m.param, row_shape(m.param.shape, m.view), is_stack(m.param, m.view))
     for group in groups:
         for p, algorithm in zip(group["params"], group["algorithms"]):
             if algorithm == "adamw" and id(p) in stepped and not state[p]:

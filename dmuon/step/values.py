@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dmuon.rules import apply_rule
 from dmuon.step.elementwise import CompiledKernels, apply_updates_all, nesterov_inputs_all, scalar
 from dmuon.step.plan import StepPlan
 from dmuon.strategies.base import MatrixWork
@@ -53,8 +54,8 @@ class _Chunk:
         return values[index]
 
 
-# the updates of some works, held: (their indices, the updates, their norms or None)
-Held = tuple[Sequence[int], list[Tensor], Tensor | None]
+# a write held for another step's values to make: (the StepValues method, its arguments)
+Held = tuple[Callable[..., None], tuple]
 
 
 class StepValues:
@@ -62,18 +63,22 @@ class StepValues:
     Newton–Schulz inputs from the momentum (computed when asked, a group's at a time), and the
     updates applied to the parameters, with the update statistics accumulated on the device.
 
-    ``hold``: the updates are held instead (:attr:`held`), for another step's values to apply
-    (:meth:`apply_held`): early start's run during the backward pass, whose updates wait for
-    ``step()`` to decide whether they may be used."""
+    An update rule's row states (:mod:`dmuon.rules`) are read from the optimizer's ``state`` and
+    written back there once their owners have shared them.
 
-    def __init__(self, plan: StepPlan, grads_and_buffers: dict[int, tuple[Tensor, Tensor]],
+    ``hold``: the updates and row states are held instead (:attr:`held`), for another step's values
+    to write (:meth:`apply_held`): early start's run during the backward pass, whose updates wait
+    for ``step()`` to decide whether they may be used."""
+
+    def __init__(self, plan: StepPlan, state: dict, grads_and_buffers: dict[int, tuple[Tensor, Tensor]],
                  kernels: CompiledKernels | None, squares: dict[int, list],
                  independent: Callable[[], None] | None = None, *, hold: bool = False) -> None:
-        self.plan, self.kernels = plan, kernels
+        self.plan, self.state, self.kernels = plan, state, kernels
         self.grads_and_buffers = grads_and_buffers  # id(param) -> this rank's pieces of them
         self.squares = squares  # id(param group) -> [sum of the update's squares, elements]
         self.independent = independent  # what overlap() runs once
         self.held: list[Held] | None = [] if hold else None
+        self.new_row_states: dict[int, Tensor] = {}  # work index -> the row state its rule made here
 
     def overlap(self) -> None:
         independent, self.independent = self.independent, None
@@ -111,13 +116,37 @@ class StepValues:
         return out  # type: ignore[return-value]
 
     def apply_held(self, other: StepValues) -> None:
-        """Apply the updates ``other`` held, in the order it was handed them."""
-        for held in other.held or ():
-            self.apply(*held)
+        """Make the writes ``other`` held (updates, row states), in the order it was handed them."""
+        for method, args in other.held or ():
+            method(self, *args)
+
+    def ruled(self, indices: Sequence[int], updates: Sequence[Tensor]) -> list[Tensor]:
+        out = []
+        for i, update in zip(indices, updates):
+            work = self.plan.works[i]
+            # the rule sees the parameter's orientation, laid out as in one process (same sums, same bits)
+            whole = (update.mT if work.exchange_transposed else update).contiguous()
+            state = local(self.state[work.param][work.rule.state]).reshape(work.count, work.param_rows)
+            rows = [block.rows for block in work.blocks] or [whole.shape[-2]]
+            result, self.new_row_states[i] = apply_rule(work.rule, whole, state, rows, work.param_group)
+            out.append(result.mT if work.exchange_transposed else result)
+        return out
+
+    def new_row_state(self, index: int) -> Tensor | None:
+        return self.new_row_states.get(index)
+
+    def set_row_states(self, indices: Sequence[int], states: Sequence[Tensor]) -> None:
+        if self.held is not None:
+            self.held.append((StepValues.set_row_states, (indices, list(states))))
+            return
+        for i, value in zip(indices, states):
+            work = self.plan.works[i]
+            target = local(self.state[work.param][work.rule.state])
+            target.copy_(value.reshape(target.shape))
 
     def apply(self, indices: Sequence[int], updates: Sequence[Tensor], norms: Tensor | None = None) -> None:
         if self.held is not None:
-            self.held.append((indices, list(updates), norms))
+            self.held.append((StepValues.apply, (indices, list(updates), norms)))
             return
         for chunk in self._by_group(indices):
             group, ratio = chunk.param_group, chunk.lr_scale

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.exchange import CommCounter, GroupRef
+from dmuon.exchange import CommCounter, GroupRef, all_reduce_sum
 from dmuon.layout import Layout
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops
 from dmuon.planner import Unit
+from dmuon.rules import RULES, UpdateRule
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class MatrixWork:
     # are that dtype's widened, so the exchanges (planned, gangs) send it back in that dtype, exactly
     # (the step plan decides where: no fused-block scale after it, kernels that round every product)
     narrow_return: bool = False
+    # what the owner does to the whole update before it goes back (dmuon.rules)
+    rule: UpdateRule = RULES["muon"]
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -80,6 +83,11 @@ class MatrixWork:
         """Whether the exchange sees the parameter's transpose: Shard(1) rows, or the column
         blocks of a Shard(0) matrix."""
         return self.layout.transposed != self.column_blocks
+
+    @property
+    def param_rows(self) -> int:
+        """Rows of the parameter's matrices (of its own orientation, not the exchange's)."""
+        return self.n if self.exchange_transposed else self.m
 
     @cached_property  # a frozen dataclass's cache: written to the instance's __dict__ directly
     def row_blocks(self) -> list[tuple[int, NSConfig]]:
@@ -118,6 +126,17 @@ class StepIO(Protocol):
     def apply(self, indices: Sequence[int], updates: Sequence[Tensor], norms: Tensor | None = None) -> None:
         """Apply this rank's pieces of those works' updates (shaped ``local_shape``); ``norms``:
         their 2-norms (in fp32 at least), where the caller has them from a batch already."""
+
+    def ruled(self, indices: Sequence[int], updates: Sequence[Tensor]) -> list[Tensor]:
+        """On their owner: those works' whole updates (``(count, m, n)``, exchange orientation)
+        after their update rules (:mod:`dmuon.rules`), a fused work's blocks each as its own
+        matrix; the new row states are kept for :meth:`new_row_state`."""
+
+    def new_row_state(self, index: int) -> Tensor | None:
+        """The row state :meth:`ruled` made for that work on this rank (its owner), else None."""
+
+    def set_row_states(self, indices: Sequence[int], states: Sequence[Tensor]) -> None:
+        """Those works' new row states, from their owners (written, or held with the updates)."""
 
     def overlap(self) -> None:
         """Run the step's work that needs nothing from the exchange (AdamW), the first time it
@@ -226,11 +245,14 @@ class Context:
         return return_dtype(work, self.comm_dtype)
 
     def orthogonalize_whole(self, inputs: dict[int, Tensor | list[Tensor]], works: Sequence[MatrixWork],
-                            batches: Sequence[Batch], flops: int) -> dict[int, Tensor]:
+                            batches: Sequence[Batch], flops: int, io: StepIO, indices: Sequence[int]
+                            ) -> dict[int, Tensor]:
         """Orthogonalize whole inputs in ``batches`` (from :func:`batches_of`, worked out once):
         work index → its (count, m, n) input, or the flat pieces that laid end to end are that
         input (an owner's gather: copied once, straight into the batch). ``flops``: theirs in
-        total, for the statistics."""
+        total, for the statistics. Then each work's update rule (``io.ruled``; ``indices``: the
+        works' in the step plan), then each fused block's lr factor: the rule sees the blocks
+        as the matrices they are, before the lr factor, as in one process."""
         self.stats.ns_flops += flops
         for u, value in inputs.items():
             if not isinstance(value, Tensor) and len(works[u].row_blocks) > 1:  # row blocks slice the whole
@@ -243,11 +265,16 @@ class Context:
                 updates = self.orthogonalize(stacked, config).split([works[u].count for u, _, _, _ in members])
             results.update(((u, b), r) for (u, b, _, _), r in zip(members, updates))
             self.stats.matrices_orthogonalized += stacked.shape[0]
-        outputs: dict[int, Tensor] = {}
-        for u in inputs:
-            blocks = works[u].blocks
-            outputs[u] = results[u, 0] if not blocks else \
-                torch.cat([results[u, b] * block.scale for b, block in enumerate(blocks)], dim=1)
+        outputs = {u: results[u, 0] if not works[u].blocks else
+                   torch.cat([results[u, b] for b in range(len(works[u].blocks))], dim=1) for u in inputs}
+        ruled = [u for u in outputs if works[u].rule.fn is not None]
+        if ruled:
+            outputs.update(zip(ruled, io.ruled([indices[u] for u in ruled], [outputs[u] for u in ruled])))
+        for u, output in outputs.items():
+            start = 0
+            for block in works[u].blocks:
+                output[:, start: start + block.rows].mul_(block.scale)
+                start += block.rows
         return outputs
 
     @staticmethod
@@ -269,6 +296,25 @@ class Context:
                 flat[: piece.numel()].copy_(piece.reshape(-1))
                 flat = flat[piece.numel():]
         return stacked
+
+
+def share_row_states(indices: Sequence[int], works: Sequence[MatrixWork], io: StepIO, ctx: Context) -> None:
+    """After a strategy's run: every rank of the works' exchange group takes the new row state
+    of each work with an update rule that keeps one from its owner, unchanged — one all-reduce
+    of the states laid end to end, the owner's own and zeros elsewhere (x + 0 = x, exactly).
+    ``indices``: the works' in the step plan."""
+    ruled = [u for u, work in enumerate(works) if work.rule.state is not None]
+    if not ruled:
+        return
+    states = [io.new_row_state(indices[u]) for u in ruled]
+    group = works[0].process_group
+    if group is not None:
+        sizes = [works[u].count * works[u].param_rows for u in ruled]
+        device = next((s.device for s in states if s is not None), works[0].param.device)
+        flat = torch.cat([torch.zeros(size, device=device) if s is None else s.reshape(-1)
+                          for s, size in zip(states, sizes)])
+        states = list(all_reduce_sum(flat, group, ctx.counter).split(sizes))
+    io.set_row_states([indices[u] for u in ruled], states)
 
 
 # (config, rows, members): one batched Newton–Schulz call over the pieces (work index, block,

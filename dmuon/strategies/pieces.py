@@ -28,7 +28,7 @@ from torch import Tensor
 from dmuon.exchange import all_gather_object, start_all_to_all
 from dmuon.layout import piece_index_lists
 from dmuon.planner import Plan
-from dmuon.strategies.base import Context, MatrixWork, StepIO, batches_of
+from dmuon.strategies.base import Context, MatrixWork, StepIO, batches_of, share_row_states
 
 IndexLists = tuple[Tensor, ...]  # one per dimension of a work's global shape
 
@@ -83,6 +83,7 @@ class PiecesExchange:
             self._find_pieces(ctx)
         for bucket in self.buckets:
             self._run_bucket(bucket, io, ctx)
+        share_row_states(self.indices, self.works, io, ctx)
 
     def _run_bucket(self, bucket: list[int], io: StepIO, ctx: Context) -> None:
         lists, me = self.lists, self.me
@@ -105,7 +106,7 @@ class PiecesExchange:
                 put(whole, lists[u][p], next(received[p]))
             wholes[u] = whole.reshape(work.count, work.m, work.n)
         updates = ctx.orthogonalize_whole(wholes, self.works, batches_of(owned, self.works),
-                                          sum(self.plan.units[u].flops for u in owned))
+                                          sum(self.plan.units[u].flops for u in owned), io, self.indices)
         # back: every rank's piece of each owned update (its own too), in the update's return dtype
         back = ctx.return_dtype(self.works[bucket[0]])
         returns = [[take(updates[u].reshape(self.works[u].layout.shape), lists[u][p]) for u in owned]

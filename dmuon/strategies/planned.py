@@ -31,7 +31,16 @@ from torch import Tensor
 from dmuon.exchange import PendingExchange, Shape, start_all_to_all
 from dmuon.layout import Layout
 from dmuon.planner import Plan
-from dmuon.strategies.base import Batch, Context, MatrixWork, StepIO, Timed, batches_of, update_norms
+from dmuon.strategies.base import (
+    Batch,
+    Context,
+    MatrixWork,
+    StepIO,
+    Timed,
+    batches_of,
+    share_row_states,
+    update_norms,
+)
 
 
 def rows_of(full: Tensor, layout: Layout, shard: int) -> Tensor:
@@ -117,9 +126,9 @@ class PlannedExchange:
         )
 
     def _stacks(self, units: Sequence[int], batches: Sequence[Batch]) -> tuple[tuple[int, ...], ...] | None:
-        """Where every work of a bucket is one whole 2-D matrix: each batch's positions."""
+        """Where every work of a bucket is one whole 2-D matrix, with no update rule: each batch's positions."""
         plain = all(self.works[u].count == 1 and not self.works[u].blocks and len(self.works[u].local_shape) == 2
-                    for u in units)
+                    and self.works[u].rule.fn is None for u in units)
         position = {u: j for j, u in enumerate(units)}
         return tuple(tuple(position[u] for u, _, _, _ in members) for _, _, members in batches) if plain else None
 
@@ -134,6 +143,7 @@ class PlannedExchange:
         order; only when each one runs may differ."""
         if self.process_group is None:
             yield from self._stages_alone(io, ctx)
+            share_row_states(self.indices, self.works, io, ctx)
             return
         returns: list[tuple[int, PendingExchange | None, dict[int, Tensor]]] = []
         gathers = {}
@@ -158,6 +168,7 @@ class PlannedExchange:
                 gathers[k + 1] = None
         for pending in returns:
             self._finish_return(*pending, io)
+        share_row_states(self.indices, self.works, io, ctx)
 
     def _stages_alone(self, io: StepIO, ctx: Context) -> Iterator[int]:
         """One process: every matrix is whole here and nothing is exchanged, so a bucket is its
@@ -167,10 +178,10 @@ class PlannedExchange:
             yield k
             dtype = self._dtype(k, ctx)
             values = [v if v.dtype == dtype else v.to(dtype) for v in io.inputs(bucket.indices)]
-            if bucket.stacks is None:  # expert stacks or fused blocks: the general assembly
+            if bucket.stacks is None:  # expert stacks, fused blocks or update rules: the general assembly
                 inputs = {u: v.reshape(self.works[u].count, self.works[u].m, self.works[u].n)
                           for u, v in zip(bucket.units, values)}
-                owned = ctx.orthogonalize_whole(inputs, self.works, bucket.batches, bucket.flops)
+                owned = ctx.orthogonalize_whole(inputs, self.works, bucket.batches, bucket.flops, io, self.indices)
                 io.apply(bucket.indices, [owned[u].reshape(self.works[u].local_shape) for u in bucket.units])
                 continue
             ctx.stats.ns_flops += bucket.flops
@@ -216,7 +227,7 @@ class PlannedExchange:
                 continue
             # the rows of shard 0, 1, … in order (copied once, into the batch)
             inputs[u] = [mine.to(dtype) if p == self.me else next(received[p]) for p in block]
-        return ctx.orthogonalize_whole(inputs, self.works, bucket.batches, bucket.flops)
+        return ctx.orthogonalize_whole(inputs, self.works, bucket.batches, bucket.flops, io, self.indices)
 
     def _start_return(self, k: int, owned: dict[int, Tensor], ctx: Context) -> PendingExchange | None:
         bucket = self.buckets[k]

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any, TextIO
 
 import torch
@@ -87,11 +88,13 @@ CONFIGS: dict[str, OptimizerFactory] = {
     "adamw": adamw,
     "torch-muon": torch_muon,
     "dmuon": dmuon_muon,
+    "dmuon-normuon": partial(dmuon_muon, update_rule="normuon"),
 }
+DEFAULT_CONFIGS = ("adamw", "torch-muon", "dmuon")  # what runs unless --optimizers names others
 
 
 # the configurations that train with Muon, at --muon-lr-multiple times --lr
-MUON_CONFIGS = ("torch-muon", "dmuon")
+MUON_CONFIGS = ("torch-muon", "dmuon", "dmuon-normuon")
 DEFAULT_MUON_LR_MULTIPLE = 2.0  # docs/migration.md's lr rule: start at 2x AdamW's, then sweep 1-8x
 
 
@@ -262,9 +265,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--configs",
         type=name_list(CONFIGS),
-        default=list(CONFIGS),
+        default=list(DEFAULT_CONFIGS),
         help="comma-separated configurations to run, in order: adamw (AdamW on everything), torch-muon "
-        "(torch.optim.Muon on the block matrices + AdamW on the rest), dmuon (dmuon.Muon) (default: all)",
+        "(torch.optim.Muon on the block matrices + AdamW on the rest), dmuon (dmuon.Muon), dmuon-normuon "
+        "(dmuon.Muon with update_rule='normuon') (default: %(default)s)",
     )
     parser.add_argument("--json", metavar="PATH", type=output_path,
                         help="also write one JSON record per configuration to PATH (default: none)")

@@ -59,7 +59,7 @@ from dmuon.tools.cli import (
     positive_int,
 )
 from dmuon.tools.corpus import VAL_EVERY, VOCAB_SIZE, Corpus, load_corpus, train_batch, val_batches
-from dmuon.tools.demo import CONFIGS, OptimizerFactory
+from dmuon.tools.demo import CONFIGS, DEFAULT_CONFIGS, OptimizerFactory
 from dmuon.tools.hardware import available_memory
 from dmuon.tools.models import Llama, LlamaConfig, VLAConfig, get_config, param_count, training_bytes
 from dmuon.tools.vla import VLA, SyntheticEpisodes
@@ -83,8 +83,9 @@ DEFAULT_LRS: dict[str, dict[str, tuple[float, ...]]] = {
         "adamw": (5e-4, 1e-3, 2e-3, 4e-3),
         "torch-muon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
         "dmuon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
+        "dmuon-normuon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
     },
-    "vla": {name: (2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2) for name in ("adamw", "torch-muon", "dmuon")},
+    "vla": {name: (2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2) for name in CONFIGS},
 }
 # Text: just above AdamW's best final loss in that first sweep (2.33), so that every optimizer can
 # reach it within the default budget and steps to it compare them.
@@ -417,10 +418,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="text",
                         help="text: a byte-level Llama on this Python's standard library; vla: the embodied model "
                              f"{VLA_PRESET} on synthetic episodes (default: %(default)s)")
-    parser.add_argument("--optimizers", type=name_list(CONFIGS), default=list(CONFIGS),
+    parser.add_argument("--optimizers", type=name_list(CONFIGS), default=list(DEFAULT_CONFIGS),
                         help="comma-separated optimizers to compare, in order: adamw (AdamW on everything), "
                              "torch-muon (torch.optim.Muon on the block matrices + AdamW on the rest), dmuon "
-                             "(dmuon.Muon) (default: all)")
+                             "(dmuon.Muon), dmuon-normuon (dmuon.Muon with update_rule='normuon') "
+                             "(default: %(default)s)")
     for name in CONFIGS:
         lrs = {w: ",".join(f"{lr:g}" for lr in DEFAULT_LRS[w][name]) for w in WORKLOADS}
         parser.add_argument(_lrs_option(name), type=lr_list, metavar="LRS",

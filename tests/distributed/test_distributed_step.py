@@ -39,11 +39,11 @@ HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.9, ns_method="standard", ns
 
 
 def step_parity(layout: str, shapes, steps: int, replica_split, comm_dtype=None, seed: int = 0,
-                ns_dtype: torch.dtype = torch.float32) -> dict:
+                ns_dtype: torch.dtype = torch.float32, **options) -> dict:
     world = dist.get_world_size()
     mesh, placements = placements_for(layout, world)
     params, ref_params = params_and_reference(full_tensors(shapes, seed), mesh, placements)
-    hparams = {**HPARAMS, "ns_dtype": ns_dtype}
+    hparams = {**HPARAMS, "ns_dtype": ns_dtype, **options}
     opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names_for(params)}],
                      replica_split=replica_split, comm_dtype=comm_dtype, **hparams)
     ref = ReferenceMuon(ref_params, **hparams)
@@ -58,12 +58,18 @@ def step_parity(layout: str, shapes, steps: int, replica_split, comm_dtype=None,
         torch.equal(local(opt.state[p]["momentum_buffer"]), rows_of(ref.state[r]["momentum_buffer"], p))
         for p, r in zip(params, ref_params)
     ]
+    # an update rule's row state: whole on every rank (experts sharded on dim 0: this rank's)
+    equal_row_states = [
+        torch.equal(local(opt.state[p][key]), rows_of(ref.state[r][key], opt.state[p][key]))
+        for p, r in zip(params, ref_params) for key in ("row_second_moment",) if key in ref.state[r]
+    ]
     close_params = [
         ((local(p) - rows_of(r.detach(), p)).norm() / (rows_of(r.detach(), p).norm() + 1e-12)).item()
         for p, r in zip(params, ref_params)
     ]
     return dict(
-        equal_params=equal_params, equal_momentum=equal_momentum, close_params=close_params,
+        equal_params=equal_params, equal_momentum=equal_momentum, equal_row_states=equal_row_states,
+        close_params=close_params,
         matrices=[s.matrices_orthogonalized for s in stats], bytes_sent=[s.bytes_sent for s in stats],
         planned_bytes=sum(plan.bytes_sent(p) for plan, p in positions),
         planned_matrices=sum(plan.matrices(p) for plan, p in positions),

@@ -42,14 +42,16 @@ LAYOUTS = {
     "ddp, gangs": (None, None, {}, GANG_SHAPES),
     "fsdp, gangs": (lambda w: (w,), [Shard(0)], {}, GANG_SHAPES),
 }
+ROW_STATE = "row_second_moment"  # NorMuon's
 # equal to the single-process step up to rounding, not bitwise: distributed Newton–Schulz sums
 # partial Gram matrices over ranks, and row-wise TP orthogonalizes the transpose (NS(Wᵀ)ᵀ, whose
 # products differ from NS(W)'s for a square W)
 ROUNDED = {"column blocks", "ddp, gangs", "fsdp, gangs", "row-wise tp"}
 
 
-def low_precision_steps(layout: str, dtype: torch.dtype, steps: int = 2) -> dict:
+def low_precision_steps(layout: str, dtype: torch.dtype, steps: int = 2, update_rule: str = "muon") -> dict:
     mesh_shape, placements, options, shapes = LAYOUTS[layout]
+    hparams = {**HPARAMS, "update_rule": update_rule}
     mesh = init_device_mesh("cpu", mesh_shape(dist.get_world_size())) if mesh_shape else None
 
     def place(t: torch.Tensor, i: int) -> torch.Tensor:
@@ -63,12 +65,12 @@ def low_precision_steps(layout: str, dtype: torch.dtype, steps: int = 2) -> dict
     names = [f"w{i}" for i in range(len(params))]
     if shapes is FUSED:  # one group per weight, each with its row blocks
         opt = dmuon.Muon([{"params": [p], "algorithm": "muon", "param_names": [n], "ns_blocks": blocks}
-                          for p, n, blocks in zip(params, names, BLOCKS)], **HPARAMS, **options)
+                          for p, n, blocks in zip(params, names, BLOCKS)], **hparams, **options)
         ref = ReferenceMuon([{"params": [r], "ns_blocks": blocks} for r, blocks in zip(ref_params, BLOCKS)],
-                            **HPARAMS)
+                            **hparams)
     else:
-        opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}], **HPARAMS, **options)
-        ref = ReferenceMuon(ref_params, **HPARAMS)
+        opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}], **hparams, **options)
+        ref = ReferenceMuon(ref_params, **hparams)
     for step in range(steps):
         grads = [g.to(dtype) for g in full_tensors(shapes, 100 + step)]
         for i, (p, r, g) in enumerate(zip(params, ref_params, grads)):
@@ -82,6 +84,8 @@ def low_precision_steps(layout: str, dtype: torch.dtype, steps: int = 2) -> dict
         ref_momentum=[ref.state[r]["momentum_buffer"] for r in ref_params],
         dtypes={p.dtype for p in params} | {opt.state[p]["momentum_buffer"].dtype for p in params},
         gangs=opt.last_step_stats.gangs,
+        row_states=[full_tensor(opt.state[p][ROW_STATE]) for p in params if ROW_STATE in opt.state[p]],
+        ref_row_states=[ref.state[r][ROW_STATE] for r in ref_params if ROW_STATE in ref.state[r]],
     )
 
 
@@ -112,3 +116,30 @@ def test_low_precision_replicas_are_identical_and_match_one_process(layout, worl
             assert torch.equal(got, ref), f"w{i}: {(got != ref).sum().item()} of {got.numel()} elements differ"
     if layout.endswith("gangs"):
         assert first["gangs"], "the cost model split no matrix over a gang"
+
+
+@pytest.mark.parametrize("layout,world", CASES)
+def test_normuon_in_every_layout_matches_one_process(layout, world):
+    """NorMuon's row normalization on the owner, its row state shared with every rank holding
+    the parameter: bf16 replicas and row states identical on every rank, and the step the single
+    process's. The whole update is on one rank, so no matrix is split (gangs, column blocks), and
+    those layouts are bitwise too."""
+    results = run_on_ranks(world, low_precision_steps, layout, torch.bfloat16, 2, "normuon")
+    first = results[0]
+    assert len(first["row_states"]) == len(first["params"]) == len(first["ref_row_states"])
+    for rank, r in enumerate(results):
+        for name in ("params", "momentum", "row_states"):
+            for i, (got, ref) in enumerate(zip(r[name], first[name])):
+                assert torch.equal(got, ref), f"rank {rank}'s {name} of w{i} differs from rank 0's"
+        assert not r["gangs"]
+    for i, (got, ref) in enumerate(zip(first["params"], first["reference"])):
+        if layout == "row-wise tp" and world > 1:
+            error = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert error < 2e-3, (i, error)
+        else:
+            assert torch.equal(got, ref), f"w{i}: {(got != ref).sum().item()} of {got.numel()} elements differ"
+    for i, (got, ref) in enumerate(zip(first["row_states"], first["ref_row_states"])):
+        if layout == "row-wise tp" and world > 1:
+            assert torch.allclose(got, ref, rtol=2e-2, atol=1e-6), i
+        else:
+            assert torch.equal(got, ref), f"row state of w{i}"

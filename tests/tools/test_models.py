@@ -159,7 +159,7 @@ def test_cli_demo_runs_every_configuration_end_to_end(tmp_path: Path, capsys: py
     assert cli.main([*argv, "--json", str(out)]) == 0
     stdout = capsys.readouterr().out
     records = json.loads(out.read_text())
-    assert [r["config"] for r in records] == list(demo.CONFIGS)
+    assert [r["config"] for r in records] == list(demo.DEFAULT_CONFIGS)
     for record in records:
         assert record["config"] in stdout
         assert record["steps"] == 2
