@@ -12,9 +12,10 @@ which ``torch.distributed.checkpoint`` reshards like any replicated tensor.
 
 Adding a rule: one function of that signature and one :class:`UpdateRule` entry in
 :data:`RULES` (its group options in :data:`RULE_OPTIONS`, their defaults as :class:`dmuon.Muon`'s
-arguments). It stays exact in every layout as long as it reads only the whole update, its own row state and the group's
-options, and returns an update of the same shape: the engine never splits such a matrix over
-ranks (no gangs, no column blocks), and its result goes back in the parameter's dtype.
+arguments). It stays exact in every layout as long as it reads only the whole update, its own
+row state and the group's options, and returns an update of the same shape: the engine never
+splits such a matrix over ranks (no gangs, no column blocks), and its result goes back in the
+parameter's dtype.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def normuon(update: Tensor, second_moment: Tensor, group: dict[str, Any]) -> tup
     then the whole update rescaled to the Frobenius norm it had. Returns the update and the new
     second moment; the lr factor (``adjust_lr_fn``) applies afterwards."""
     norm = torch.linalg.vector_norm(update, dim=(-2, -1), keepdim=True)
-    moment = second_moment.lerp(update.square().mean(dim=-1), 1 - group["beta2"])
+    moment = second_moment.lerp(update.square().mean(dim=-1).to(second_moment.dtype), 1 - group["beta2"])
     normalized = update * (moment.sqrt() + NORMUON_EPS).reciprocal().unsqueeze(-1)
     restored = normalized * (norm / (torch.linalg.vector_norm(normalized, dim=(-2, -1), keepdim=True) + NORMUON_EPS))
     return restored, moment

@@ -131,3 +131,16 @@ def test_an_old_state_dict_without_the_rule_keys_loads_as_muon():
         del group["update_rule"], group["beta2"]
     opt.load_state_dict(saved)
     assert opt.param_groups[0]["update_rule"] == "muon" and opt.param_groups[0]["beta2"] == 0.95
+
+
+@pytest.mark.parametrize("dtype,view,shape,rows", [(torch.float64, "auto", (8, 4), (8,)),
+                                                   (torch.bfloat16, "auto", (8, 4), (8,)),
+                                                   (torch.float32, "flatten", (8, 4, 6), (8,)),
+                                                   (torch.float32, "batch", (2, 3, 4, 5), (2, 3, 4))])
+def test_normuon_row_state_is_fp32_one_number_per_row(dtype, view, shape, rows):
+    w = nn.Parameter(torch.randn(shape, dtype=dtype))
+    opt = dmuon.Muon([{"params": [w], "algorithm": "normuon", "matrix_view": view}])
+    w.grad = torch.randn(shape, dtype=dtype)
+    opt.step()
+    state = opt.state[w]["row_second_moment"]
+    assert w.dtype == dtype and state.dtype == torch.float32 and state.shape == rows and state.gt(0).all()
