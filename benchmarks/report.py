@@ -55,6 +55,9 @@ MEASUREMENTS = {
     "layout-drift": Measurement("How far training drifts between layouts whose steps are bitwise equal",
                                 [[sys.executable, "benchmarks/layout_drift.py", "--steps", "200",
                                   "--muon-lr-multiple", "4", "--json", "{out}"]]),
+    "polar-error": Measurement("Newton–Schulz recipes: distance to the polar factor, and FLOPs",
+                               [[sys.executable, "-m", "dmuon.tools.ns_accuracy", "--polar-error", "--dtype",
+                                 "float32", "--json", "{out}"]]),
     "quality": Measurement("Training quality on real text", [["dmuon", "quality", "--json", "{out}"]]),
     "quality-vla": Measurement("Training quality on the embodied model, and its lr",
                                [["dmuon", "quality", "--workload", "vla", "--seeds", "3", "--json", "{out}"]]),
@@ -182,6 +185,17 @@ def drift_table(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def polar_error_table(record: dict) -> str:
+    result = record["runs"][0]["result"]
+    kinds = list(result["rows"][0]["mean"])
+    lines = ["| recipe | steps | GFLOP per 512×1536 | " + " | ".join(f"{k}: mean (worst)" for k in kinds) + " |",
+             "|---|---:|---:|" + "---:|" * len(kinds)]
+    for row in result["rows"]:
+        lines.append(f"| {row['recipe']} | {row['steps']} | {row['flops'] / 1e9:.2f} | "
+                     + " | ".join(f"{row['mean'][k]:.3f} ({row['worst'][k]:.3f})" for k in kinds) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def quality_table(record: dict) -> str:
     result = record["runs"][0]["result"]
     target = result["settings"]["target_loss"]
@@ -233,6 +247,12 @@ SECTIONS = {  # measurement → (what the table shows, how to read it)
                      "AdamW's included."),
     "quality": (quality_table, "Byte-level language modelling of the Python standard library's source: each "
                 "optimizer's best of four peak learning rates, 200 steps, one thread."),
+    "polar-error": (polar_error_table, "‖NS(G) − U·Vᵀ‖_F / ‖U·Vᵀ‖_F in fp32 (standard Newton–Schulz), U·Vᵀ the "
+                    "polar factor over G's numerical rank, for Gaussian and ill-conditioned (singular values "
+                    "1 to 1e-3) matrices of the bench preset's four shapes and the bench model's 56 hidden "
+                    "gradient matrices after 3 AdamW steps. \"aol\": AOL rescaling, then 4 steps fitted to it "
+                    "(`python benchmarks/fit_aol.py`); its rescaling reuses the first step's Gram product, so "
+                    "its FLOPs are 4 steps'."),
     "quality-family": (quality_table, "The text task of \"Training quality on real text\": each optimizer's best "
                        "of four peak learning rates by the mean over 3 seeds, `update_rule=\"normuon\"` against "
                        "dmuon's Muon and AdamW."),

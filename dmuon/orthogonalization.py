@@ -74,7 +74,20 @@ POLAR_EXPRESS_RAW: tuple[Coefficients, ...] = (
 # (the 5-step composition then diverges only from ≈1.055 on).
 POLAR_EXPRESS_SAFETY = 1.05
 
-NAMED_COEFFICIENTS = ("polar_express", "keller", "you")
+# The schedule fitted to AOL rescaling (ns_coefficients="aol", 4 steps unless ns_steps says
+# otherwise), raw: the safety factor is applied in code as for Polar Express. Fitted by
+# `python benchmarks/fit_aol.py`: greedy minimax quintics from singular values in [5.62e-3, 1], that
+# lower end chosen for the lowest mean polar error over Gaussian, ill-conditioned and the bench
+# model's gradient matrices (docs/numerics.md, "AOL rescaling").
+AOL_RAW: tuple[Coefficients, ...] = (
+    (8.271131696998093, -24.321171449248226, 18.002951968737424),
+    (3.8775457156920847, -2.8950497455278184, 0.5564350263675303),
+    (3.0904709913173183, -2.316678742047248, 0.4907467595871337),
+    (2.1355142931153575, -1.5163383578575178, 0.40248554145362275),
+)
+AOL_STEPS = 4
+
+NAMED_COEFFICIENTS = ("polar_express", "keller", "you", "aol")
 
 # Gram NS restart steps (0-based: restart *before* that step) measured to keep fp16 Gram NS
 # stable for a named schedule; the best position depends on the schedule (docs/numerics.md §Gram NS and restarts).
@@ -95,20 +108,27 @@ GRAM_MIN_ASPECT: dict[str, float] = {"cuda": 2.0, "cpu": 2.0}
 NORMALIZATION_EPS = 1e-7
 
 
-def polar_express_schedule(steps: int, safety: float = POLAR_EXPRESS_SAFETY) -> list[Coefficients]:
-    """The Polar Express schedule for ``steps`` steps with p(x) replaced by p(x/safety).
+def polar_express_schedule(steps: int, safety: float = POLAR_EXPRESS_SAFETY,
+                           raw: Sequence[Coefficients] = POLAR_EXPRESS_RAW) -> list[Coefficients]:
+    """The Polar Express schedule (or another ``raw`` table fitted the same way, AOL's) for
+    ``steps`` steps with p(x) replaced by p(x/safety).
 
     p(x/s) = (a/s)·x + (b/s³)·x³ + (c/s⁵)·x⁵; steps beyond the table repeat its last polynomial.
     """
     if not safety >= 1.0:
         raise ValueError(f"Invalid {safety=}. Must be >= 1.0.")
-    raw = [POLAR_EXPRESS_RAW[min(t, len(POLAR_EXPRESS_RAW) - 1)] for t in range(steps)]
-    return [(a / safety, b / safety**3, c / safety**5) for a, b, c in raw]
+    chosen = [raw[min(t, len(raw) - 1)] for t in range(steps)]
+    return [(a / safety, b / safety**3, c / safety**5) for a, b, c in chosen]
+
+
+def default_steps(coefficients: CoefficientsSpec) -> int:
+    """The steps a recipe takes where ``ns_steps`` is None: 4 for "aol", else 5 (torch.optim.Muon's)."""
+    return AOL_STEPS if coefficients == "aol" else 5
 
 
 def _validate_steps(steps: int) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < 100:
-        raise ValueError(f"Invalid ns_steps={steps!r}. Must be an int in [1, 100).")  # torch.optim.Muon's bound
+        raise ValueError(f"Invalid ns_steps={steps!r}. Must be an int in [1, 100), or None.")  # torch's bound
 
 
 def _as_triple(item: object) -> Coefficients:
@@ -120,16 +140,18 @@ def _as_triple(item: object) -> Coefficients:
     return triple  # type: ignore[return-value]
 
 
-def coefficient_schedule(coefficients: CoefficientsSpec, steps: int) -> tuple[Coefficients, ...]:
-    """The (a, b, c) of every step, ``steps`` long.
+def coefficient_schedule(coefficients: CoefficientsSpec, steps: int | None) -> tuple[Coefficients, ...]:
+    """The (a, b, c) of every step, ``steps`` long (None: :func:`default_steps`).
 
     ``coefficients`` is a name in NAMED_COEFFICIENTS, one (a, b, c) used at every step, or a
     sequence of at most ``steps`` triples whose last one repeats.
     """
+    steps = default_steps(coefficients) if steps is None else steps
     _validate_steps(steps)
     if isinstance(coefficients, str):
-        if coefficients == "polar_express":
-            return tuple(polar_express_schedule(steps))
+        if coefficients in ("polar_express", "aol"):
+            raw = POLAR_EXPRESS_RAW if coefficients == "polar_express" else AOL_RAW
+            return tuple(polar_express_schedule(steps, raw=raw))
         table = {"keller": KELLER, "you": YOU}.get(coefficients)
         if table is None:
             raise ValueError(
@@ -413,21 +435,33 @@ def _products(config: NSConfig) -> tuple[Callable[[Tensor], Tensor], SymmetricPr
     return _local_gram, _baddbmm
 
 
+def aol_rescale(X: Tensor, gram: Callable[[Tensor], Tensor] = _local_gram) -> tuple[Tensor, Tensor]:
+    """AOL rescaling (Prach & Lampert, arXiv 2208.03160) of a stack ``(B, m, n)``: row i divided by
+    √(Σ_j |A_ij|), A = X·Xᵀ, which bounds the spectral norm by 1 as X/‖X‖_F does, with the singular
+    values much nearer 1. Returns the rescaled X and its Gram matrix D·A·D, which the first
+    Newton–Schulz step takes instead of a product of its own: the rescaling costs no product."""
+    A = gram(X)
+    sums = A.abs().sum(dim=-1, dtype=torch.promote_types(A.dtype, torch.float32))
+    scale = torch.where(sums > 0, sums.rsqrt(), 0.0)  # a zero row (padding) stays zero
+    return X * scale[..., None].to(X.dtype), A * (scale[..., :, None] * scale[..., None, :]).to(A.dtype)
+
+
 def _standard(X: Tensor, schedule: Sequence[Coefficients], gram: Callable[[Tensor], Tensor] = _local_gram,
-              symmetric: SymmetricProduct = _baddbmm) -> Tensor:
-    for a, b, c in schedule:
-        A = gram(X)
+              symmetric: SymmetricProduct = _baddbmm, first_gram: Tensor | None = None) -> Tensor:
+    for t, (a, b, c) in enumerate(schedule):
+        A = first_gram if t == 0 and first_gram is not None else gram(X)
         B = symmetric(A, A, A, beta=b, alpha=c)  # b·A + c·A²
         X = _baddbmm(X, B, X, beta=a)  # a·X + B·X
     return X
 
 
 def _gram(X: Tensor, schedule: Sequence[Coefficients], restarts: Sequence[int],
-          gram: Callable[[Tensor], Tensor] = _local_gram, symmetric: SymmetricProduct = _baddbmm) -> Tensor:
+          gram: Callable[[Tensor], Tensor] = _local_gram, symmetric: SymmetricProduct = _baddbmm,
+          first_gram: Tensor | None = None) -> Tensor:
     # Z_t = a·I + W_t with W_t = b·R + c·R². The a·I term never goes through a low-precision
     # product: it enters as the beta of baddbmm (Q·Z = a·Q + Q·W, R·Z = a·R + R·W), whose
     # scaling and accumulation the kernel does at its accumulator precision.
-    R = gram(X)
+    R = gram(X) if first_gram is None else first_gram
     Q: Tensor | None = None  # None stands for the identity
     steps = len(schedule)
     for t, (a, b, c) in enumerate(schedule):
@@ -462,6 +496,7 @@ class NSConfig:
     restarts: tuple[int, ...] = ()
     eps: float = NORMALIZATION_EPS
     symmetric: str = "torch"  # how X·Xᵀ is computed: torch.bmm, or the Triton lower-triangle kernel
+    aol: bool = False  # AOL rescaling after the normalization (ns_coefficients="aol")
 
     @property
     def steps(self) -> int:
@@ -472,7 +507,7 @@ def resolve_config(
     shape: Sequence[int],
     device_type: str,
     *,
-    steps: int = 5,
+    steps: int | None = None,
     coefficients: CoefficientsSpec = "polar_express",
     method: str = "auto",
     dtype: torch.dtype | None = None,
@@ -496,11 +531,11 @@ def resolve_config(
     check_bounded(schedule)
     resolved, compute_dtype = choose_method(shape, method, dtype, device_type)
     if resolved == "gram":
-        restarts = default_gram_restarts(coefficients, steps) if restarts is None else restarts
-        positions = _validate_restarts(restarts, steps)
+        restarts = default_gram_restarts(coefficients, len(schedule)) if restarts is None else restarts
+        positions = _validate_restarts(restarts, len(schedule))
     else:
         positions = ()
-    return NSConfig(schedule, resolved, compute_dtype, positions, float(eps), symmetric)
+    return NSConfig(schedule, resolved, compute_dtype, positions, float(eps), symmetric, aol=coefficients == "aol")
 
 
 def orthogonalize(G: Tensor, config: NSConfig) -> Tensor:
@@ -555,10 +590,7 @@ def _orthogonalize_stack(stack: Tensor, config: NSConfig) -> Tensor:
     m, n = X.shape[-2:]
     X = _aligned(X)
     gram, symmetric = _products(config)
-    if config.method == "gram":
-        X = _gram(X, config.schedule, config.restarts, gram, symmetric)
-    else:
-        X = _standard(X, config.schedule, gram, symmetric)
+    X = _iterate(X, config, gram, symmetric)
     X = X[:, :m, :n]
     # a tall result is the transpose of what the products left: the caller lays it out row-major
     # in its cast (one pass over the narrow dtype), not in every later copy of its rows. Always
@@ -664,17 +696,24 @@ def orthogonalize_column_blocks(X_local: Tensor, config: NSConfig, all_reduce: C
     def gram(Y: Tensor) -> Tensor:
         return all_reduce(local_gram(Y).float()).to(Y.dtype)
 
+    return _iterate(X, config, gram, symmetric).to(X_local.dtype)
+
+
+def _iterate(X: Tensor, config: NSConfig, gram: Callable[[Tensor], Tensor], symmetric: SymmetricProduct) -> Tensor:
+    """The Newton–Schulz steps of ``config`` on a normalized stack, after AOL rescaling where the
+    recipe asks for it (its Gram matrix then serves the first step)."""
+    first = None
+    if config.aol:
+        X, first = aol_rescale(X, gram)
     if config.method == "gram":
-        X = _gram(X, config.schedule, config.restarts, gram, symmetric)
-    else:
-        X = _standard(X, config.schedule, gram, symmetric)
-    return X.to(X_local.dtype)
+        return _gram(X, config.schedule, config.restarts, gram, symmetric, first)
+    return _standard(X, config.schedule, gram, symmetric, first)
 
 
 def newton_schulz(
     G: Tensor,
     *,
-    steps: int = 5,
+    steps: int | None = None,
     coefficients: CoefficientsSpec = "polar_express",
     method: str = "auto",
     dtype: torch.dtype | None = None,
@@ -685,9 +724,10 @@ def newton_schulz(
 
     Args:
         G: input; any floating dtype. The result has G's shape and dtype.
-        steps: number of polynomial steps T (1–100).
-        coefficients: "polar_express" (default, safety factor 1.05), "keller", "you",
-            one (a, b, c), or a sequence of triples (the last repeats).
+        steps: number of polynomial steps T (1–99); None: the recipe's (5; 4 for "aol").
+        coefficients: "polar_express" (default, safety factor 1.05), "keller", "you", "aol"
+            (AOL rescaling, then a schedule fitted to it), one (a, b, c), or a sequence of
+            triples (the last repeats).
         method: "standard", "gram", or "auto" (Gram NS for aspect ratios from
             GRAM_MIN_ASPECT on, when the compute dtype allows it).
         dtype: compute dtype; default from :func:`default_dtype`. Normalization is always

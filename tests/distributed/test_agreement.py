@@ -241,7 +241,7 @@ def changed_on_rank_1(key: str, value) -> None:
 
 @pytest.mark.parametrize("key,value,expected", [
     ("lr", 0.02, r"ValueError: Ranks disagree .*param group 0's lr is 0.01 on rank 0 but 0.02 on rank 1"),
-    ("ns_steps", 3, r"ValueError: Ranks disagree .*param group 0's ns_steps is 5 on rank 0 but 3 on rank 1"),
+    ("ns_steps", 3, r"ValueError: Ranks disagree .*param group 0's ns_steps is None on rank 0 but 3 on rank 1"),
     ("ns_method", "gram", r"ValueError: Ranks disagree .*param group 0's ns_method is 'auto' on rank 0 but 'gram'"),
     ("ns_steps", 0, r"ValueError: Invalid ns_steps=0.* \(raised on rank 1; every rank stops here\)"),
     ("momentum", 1.5, r"ValueError: Invalid momentum=1.5 in param group 0.*raised on rank 1"),

@@ -157,12 +157,14 @@ def test_checkpoint_loads_across_two_d_layouts_and_world_sizes(tmp_path, saved_a
 # ---------------------------------------------------------------- distributed Newton–Schulz
 
 
-def column_blocks_ns(shape: tuple[int, int, int], method: str, rows: bool) -> torch.Tensor:
+def column_blocks_ns(shape: tuple[int, int, int], method: str, rows: bool,
+                     coefficients: str = "polar_express") -> torch.Tensor:
     """Every rank orthogonalizes its torch.chunk block of the same stack — of columns, or of
     rows (through the transpose) — and returns the whole result, reassembled."""
     world, rank = dist.get_world_size(), dist.get_rank()
     full_input = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    config = resolve_config(shape[-2:] if not rows else shape[-2:][::-1], "cpu", method=method, dtype=torch.float32)
+    config = resolve_config(shape[-2:] if not rows else shape[-2:][::-1], "cpu", method=method, dtype=torch.float32,
+                            coefficients=coefficients)
     dim = -2 if rows else -1
     chunks = full_input.chunk(world, dim=dim)  # torch.chunk may give fewer chunks than ranks
     mine = chunks[rank] if rank < len(chunks) else full_input.narrow(dim, 0, 0)
@@ -180,13 +182,16 @@ def column_blocks_ns(shape: tuple[int, int, int], method: str, rows: bool) -> to
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("method", ["standard", "gram"])
 @pytest.mark.parametrize("rows", [False, True])
-def test_column_block_newton_schulz_matches_one_process(world, method, rows):
+@pytest.mark.parametrize("coefficients", ["polar_express", "aol"])
+def test_column_block_newton_schulz_matches_one_process(world, method, rows, coefficients):
     """Column blocks (and row blocks, as the transpose) of 3 wide 24×80 matrices, or 3 tall
-    80×24 ones: the distributed result equals one process's up to the order of the sums."""
+    80×24 ones: the distributed result equals one process's up to the order of the sums (AOL
+    rescaling too: every rank scales its rows by the all-reduced Gram matrix's row sums)."""
     shape = (3, 80, 24) if rows else (3, 24, 80)
     expected = orthogonalize(torch.randn(shape, generator=torch.Generator().manual_seed(0)),
-                             resolve_config(shape[-2:], "cpu", method=method, dtype=torch.float32))
-    for result in run_on_ranks(world, column_blocks_ns, shape, method, rows):
+                             resolve_config(shape[-2:], "cpu", method=method, dtype=torch.float32,
+                                            coefficients=coefficients))
+    for result in run_on_ranks(world, column_blocks_ns, shape, method, rows, coefficients):
         torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
 
 

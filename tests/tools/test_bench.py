@@ -121,6 +121,23 @@ def test_ns_accuracy_check_runs_on_cpu(capsys):
     assert ns_accuracy(["--device", "cpu", "--dtype", "float32", "--shapes", "32x96", "--bound", "0"]) == 1
 
 
+def test_ns_accuracy_polar_error_table(tmp_path):
+    """``--polar-error``: every recipe's FLOPs and polar error per kind of matrix; AOL at 4 steps
+    costs 4/5 of Polar Express at 5 and errs less than Polar Express at 4 on Gaussian matrices."""
+    import json
+
+    from dmuon.tools.ns_accuracy import main as ns_accuracy
+
+    out = tmp_path / "polar.json"
+    assert ns_accuracy(["--polar-error", "--device", "cpu", "--dtype", "float32", "--shapes", "64x192,96x96",
+                        "--no-gradients", "--json", str(out)]) == 0
+    rows = {(r["recipe"], r["steps"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("polar_express", 5), ("polar_express", 4), ("aol", 4), ("keller", 5)}
+    assert rows["aol", 4]["flops"] == rows["polar_express", 4]["flops"] == 0.8 * rows["polar_express", 5]["flops"]
+    assert rows["aol", 4]["mean"]["gaussian"] < rows["polar_express", 4]["mean"]["gaussian"]
+    assert set(rows["aol", 4]["mean"]) == {"gaussian", "ill-conditioned"}
+
+
 def test_training_traffic_by_the_ring_costs():
     # 4 ranks: 3/4 of the bytes per gather, reduce-scatter, broadcast or reduce; 6/4 per all-reduce
     assert training_traffic("ddp", 4, root_bytes=100, layer_bytes=300, owned_bytes=0) == 1.5 * 400
