@@ -16,6 +16,8 @@ Every configuration trains the same model from the same weights on the same batc
     ownerz2-dmuon    dmuon.shard_by_owner (Muon matrices whole on their owners, kept from forward
                      to backward) + FSDP2 for the rest + dmuon.Muon
     ownerz3-dmuon    the same, re-broadcasting the matrices in backward (less memory)
+    fsdp-dmuon-aol   fsdp-dmuon with ns_coefficients="aol" (AOL rescaling, 4 steps), to set beside
+                     Polar Express at 5 in the same run (ddp-dmuon-aol likewise)
 
 The default run is the first six (the verdict's: dmuon against AdamW and vanilla Muon under
 each data-parallel mode); ``--device cuda`` adds ``ddp-dmuon-atstep`` and ``fsdp-dmuon-atstep``
@@ -143,7 +145,8 @@ BF16_WIRE_CONFIGS = ("ddp-dmuon-bf16wire", "fsdp-dmuon-bf16wire")
 # on CUDA), owner sharding keeping the matrices from forward to backward (Z2) or re-broadcasting them
 # in backward (Z3: less memory, the same step as Z2's within noise)
 MORE_CONFIGS = ("ddp-dmuon-early", "fsdp-dmuon-early", "ownerz2-dmuon-early", "ddp-dmuon-atstep",
-                "fsdp-dmuon-atstep", "ownerz2-dmuon-atstep", "ownerz2-dmuon", "ownerz3-dmuon")
+                "fsdp-dmuon-atstep", "ownerz2-dmuon-atstep", "ownerz2-dmuon", "ownerz3-dmuon", "ddp-dmuon-aol",
+                "fsdp-dmuon-aol")
 # What each data-parallel mode is compared with (AdamW and vanilla Muon of that mode).
 BASELINE_MODE = {"ddp": "ddp", "fsdp": "fsdp", "ownerz2": "fsdp", "ownerz3": "fsdp"}
 
@@ -383,11 +386,11 @@ class _Trainer:
         root = sum(p.numel() * p.element_size() for p in self.model.parameters()) - layers
         frozen = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
         self.train_bytes = training_traffic(parallel, world, root, layers, owned, frozen)  # the same every step
-        variant = next((v for v in ("bf16wire", "early", "atstep") if optimizer.endswith(f"-{v}")), None)
+        variant = next((v for v in ("bf16wire", "early", "atstep", "aol") if optimizer.endswith(f"-{v}")), None)
         optimizer = optimizer.removesuffix(f"-{variant}")
         comm_dtype = torch.bfloat16 if variant == "bf16wire" else COMM_DTYPES[args.comm_dtype]
         early_start = {"early": True, "atstep": False}.get(variant)
-        options = {"ns_coefficients": args.ns_coefficients, "comm_dtype": comm_dtype,
+        options = {"ns_coefficients": "aol" if variant == "aol" else args.ns_coefficients, "comm_dtype": comm_dtype,
                    "early_start": early_start} if optimizer == "dmuon" else {}
         self.optimizers = _factory(optimizer)(self.model, args.lr, args.weight_decay, **options)
         if optimizer == "dmuon" and parallel == "ddp":

@@ -86,6 +86,16 @@ def test_bf16_wire_configuration_sends_fewer_bytes_than_the_exact_one(tmp_path, 
     assert bf16["opt_bytes_per_step"] / exact["opt_bytes_per_step"] == pytest.approx(ratio, rel=0.05)
 
 
+def test_aol_configuration_runs_four_newton_schulz_steps_beside_polar_express(tmp_path):
+    """``fsdp-dmuon-aol`` beside ``fsdp-dmuon`` in one run, each with its own optimizer-step time."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--memory-steps", "0",
+                 "--max-seconds", "0", "--configs", "fsdp-dmuon,fsdp-dmuon-aol", "--json", str(out)]) == 0
+    polar, aol = json.loads(out.read_text())
+    assert (polar["config"], aol["config"]) == ("fsdp-dmuon", "fsdp-dmuon-aol")
+    assert polar["opt_step_ms"] > 0 and aol["opt_step_ms"] > 0
+
+
 def test_throughput_tables_run_on_cpu():
     import torch
 
