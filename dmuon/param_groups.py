@@ -545,6 +545,19 @@ def with_rule_keys(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]])
                                            for g, new in zip(saved, added)] + saved[len(added):]}
 
 
+def restore_kept_dtypes(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]], state: dict) -> None:
+    """After torch's ``load_state_dict``, which casts every state tensor to its parameter's dtype:
+    the state dmuon keeps in another dtype (an update rule's fp32 row state beside bf16 weights)
+    put back from ``state_dict`` uncast, so that no bit is lost."""
+    saved = state_dict["state"]
+    for saved_group, group in zip(state_dict["param_groups"], groups):
+        for key, p, algorithm in zip(saved_group["params"], group["params"], group["algorithms"]):
+            for name in _row_state_keys(group, algorithm):
+                value = saved.get(key, {}).get(name)
+                if isinstance(value, Tensor) and state[p][name].dtype != value.dtype:
+                    state[p][name] = value.to(device=p.device)
+
+
 def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
     """Raise a ValueError naming the group or parameter if ``state_dict`` cannot be loaded
     into these groups: missing keys, hyperparameters the constructor would refuse, state of

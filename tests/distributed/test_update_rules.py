@@ -57,14 +57,15 @@ LAYOUT_MESHES = {"fsdp": (lambda w: (w,), [Shard(0)]), "fsdp x tp": (lambda w: (
 class Weights(nn.Module):
     """Matrices as parameters, in a layout: the optimizer sees DTensors as FSDP2 × TP gives them."""
 
-    def __init__(self, layout: str) -> None:
+    def __init__(self, layout: str, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         mesh_shape, placements = LAYOUT_MESHES[layout]
         self.mesh = init_device_mesh("cpu", mesh_shape(dist.get_world_size())) if mesh_shape else None
-        self.placements = placements
+        self.placements, self.dtype = placements, dtype
         self.ws = nn.ParameterList(nn.Parameter(self.place(t)) for t in full_tensors(CKPT_SHAPES, 0))
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.dtype)
         return t.clone() if self.mesh is None else distribute_tensor(t.clone(), self.mesh, self.placements)
 
     def step(self, opt: dmuon.Muon, step: int) -> None:
@@ -73,9 +74,9 @@ class Weights(nn.Module):
         opt.step()
 
 
-def saved_then_continued(path: str, steps: int, more: int) -> dict:
+def saved_then_continued(path: str, steps: int, more: int, dtype: torch.dtype = torch.float32) -> dict:
     """FSDP2: ``steps`` steps, a checkpoint, then ``more`` steps without any round trip."""
-    model = Weights("fsdp")
+    model = Weights("fsdp", dtype)
     opt = dmuon.Muon([{"params": list(model.ws), "algorithm": "muon"}], **CKPT_HPARAMS)
     for step in range(steps):
         model.step(opt, step)
@@ -86,8 +87,8 @@ def saved_then_continued(path: str, steps: int, more: int) -> dict:
     return dict(saved_row_states=saved, params=[full_tensor(w) for w in model.ws])
 
 
-def loaded_then_continued(path: str, layout: str, steps: int, more: int) -> dict:
-    model = Weights(layout)
+def loaded_then_continued(path: str, layout: str, steps: int, more: int, dtype: torch.dtype = torch.float32) -> dict:
+    model = Weights(layout, dtype)
     opt = dmuon.Muon([{"params": list(model.ws), "algorithm": "muon"}], **CKPT_HPARAMS)
     dcp_load(model, opt, path)
     loaded = [full_tensor(opt.state[w][ROW_STATE]) for w in model.ws]
@@ -97,13 +98,16 @@ def loaded_then_continued(path: str, layout: str, steps: int, more: int) -> dict
                 row_states=[full_tensor(opt.state[w][ROW_STATE]) for w in model.ws])
 
 
-@pytest.mark.parametrize("layout,world", [("fsdp x tp", 4), ("one process", 1), ("fsdp", 3)])
-def test_normuon_checkpoint_loads_across_layouts_and_training_goes_on_bitwise(tmp_path, layout, world):
+@pytest.mark.parametrize("layout,world,dtype", [("fsdp x tp", 4, torch.float32), ("one process", 1, torch.float32),
+                                                ("fsdp", 3, torch.float32), ("fsdp x tp", 4, torch.bfloat16)])
+def test_normuon_checkpoint_loads_across_layouts_and_training_goes_on_bitwise(tmp_path, layout, world, dtype):
+    """bf16 weights too: their row state stays fp32 through the load (torch's load casts state to
+    the parameter's dtype; dmuon puts it back uncast)."""
     path = str(tmp_path / "ckpt")
-    saved = run_on_ranks(2, saved_then_continued, path, 2, 2)[0]
-    for rank, loaded in enumerate(run_on_ranks(world, loaded_then_continued, path, layout, 2, 2)):
+    saved = run_on_ranks(2, saved_then_continued, path, 2, 2, dtype)[0]
+    for rank, loaded in enumerate(run_on_ranks(world, loaded_then_continued, path, layout, 2, 2, dtype)):
         for i, (got, want) in enumerate(zip(loaded["loaded_row_states"], saved["saved_row_states"])):
-            assert torch.equal(got, want), (rank, i)
+            assert got.dtype == torch.float32 and torch.equal(got, want), (rank, i)
             assert want.abs().sum() > 0  # a state worth carrying
         for i, (got, want) in enumerate(zip(loaded["params"], saved["params"])):
             assert torch.equal(got, want), f"rank {rank}: w{i} after the round trip differs"

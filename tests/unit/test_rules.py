@@ -144,3 +144,17 @@ def test_normuon_row_state_is_fp32_one_number_per_row(dtype, view, shape, rows):
     opt.step()
     state = opt.state[w]["row_second_moment"]
     assert w.dtype == dtype and state.dtype == torch.float32 and state.shape == rows and state.gt(0).all()
+
+
+def test_a_state_dict_round_trip_keeps_the_fp32_row_state_of_bf16_weights():
+    """torch's load casts state to the parameter's dtype; NorMuon's row state stays fp32, bit for bit."""
+    w = nn.Parameter(torch.randn(8, 4, dtype=torch.bfloat16))
+    opt = dmuon.Muon([{"params": [w], "algorithm": "normuon"}])
+    w.grad = torch.randn(8, 4, dtype=torch.bfloat16)
+    opt.step()
+    saved = opt.state[w]["row_second_moment"].clone()
+    fresh = dmuon.Muon([{"params": [w], "algorithm": "normuon"}])
+    fresh.load_state_dict(opt.state_dict())
+    loaded = fresh.state[w]["row_second_moment"]
+    assert loaded.dtype == torch.float32 and torch.equal(loaded, saved)
+    assert fresh.state[w]["momentum_buffer"].dtype == torch.bfloat16
