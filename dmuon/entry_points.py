@@ -175,7 +175,7 @@ def load_state_dict(opt: Muon, state_dict: dict[str, Any]) -> None:
         loaded = state_dict
         if param_groups.is_torch_muon_state_dict(state_dict):
             loaded = param_groups.from_torch_muon(state_dict, opt.param_groups)
-        loaded = param_groups.with_rule_keys(loaded, opt.param_groups)
+        loaded = param_groups.with_new_keys(loaded, opt.param_groups)
         param_groups.check_loadable(loaded, opt.param_groups)
         torch.optim.Optimizer.load_state_dict(opt, loaded)
         param_groups.restore_kept_dtypes(loaded, opt.param_groups, opt.state)

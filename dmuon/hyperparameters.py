@@ -25,7 +25,10 @@ STATE_KEYS = {"muon": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_av
 MUON_KEYS = (
     "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
     "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts", "ns_blocks", "update_rule", *RULE_OPTIONS,
+    "momentum_dtype",
 )
+# the dtypes momentum may be kept in besides the parameter's (momentum_dtype=None)
+MOMENTUM_DTYPES = ("bfloat16", "float32")
 # AdamW's options as a param group stores them; None for lr and weight decay: the group's own.
 ADAMW_GROUP_KEYS = ("adamw_lr", "adamw_weight_decay", "adamw_betas", "adamw_eps")
 # Per-parameter routing, stored in each group (and in checkpoints): lists parallel to "params".
@@ -211,6 +214,10 @@ def validate_muon_group(group: dict[str, Any], where: str = "") -> None:
     _check_range("eps", group["eps"], where, 0.0, low_open=True)
     if not isinstance(group["nesterov"], bool):
         raise ValueError(f"Invalid nesterov={group['nesterov']!r}{where}. Must be a bool.")
+    name = dtype_name(group["momentum_dtype"], where, "momentum_dtype")
+    if name is not None and name not in MOMENTUM_DTYPES:
+        raise ValueError(f"Invalid momentum_dtype={name!r}{where}. Must be None (the parameter's "
+                         f"dtype) or one of {MOMENTUM_DTYPES}.")
     check_rule_name(group["update_rule"], where)
     for name, (low, high) in RULE_OPTIONS.items():
         _check_range(name, group[name], where, low, high)
@@ -241,16 +248,23 @@ def validate_adamw_group(group: dict[str, Any], where: str = "") -> None:
         _check_range(f"adamw_betas[{i}]", beta, where, 0.0, 1.0)
 
 
-def dtype_name(value: torch.dtype | str | None, where: str = "") -> str | None:
-    """``ns_dtype`` as param groups keep it: a name ("bfloat16") or None, since DCP's full and
-    CPU-offloaded state dicts accept only plain values in param groups."""
+def dtype_name(value: torch.dtype | str | None, where: str = "", option: str = "ns_dtype") -> str | None:
+    """A dtype option (``ns_dtype``, ``momentum_dtype``) as param groups keep it: a name
+    ("bfloat16") or None, since DCP's full and CPU-offloaded state dicts accept only plain values
+    in param groups."""
     if value is None:
         return None
     name = str(value).removeprefix("torch.")
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"Invalid ns_dtype={value!r}{where}. Must be a floating torch.dtype, its name, or None.")
+        raise ValueError(f"Invalid {option}={value!r}{where}. Must be a floating torch.dtype, its name, or None.")
     return name
+
+
+def momentum_dtype(group: dict[str, Any], param: Tensor) -> torch.dtype:
+    """The dtype ``param``'s momentum buffer is kept in: the group's ``momentum_dtype``, or the parameter's."""
+    name = group["momentum_dtype"]
+    return getattr(torch, name) if name is not None else param.dtype
 
 
 def ns_config(group: dict[str, Any], shape: Sequence[int], device_type: str, symmetric: str = "torch") -> NSConfig:

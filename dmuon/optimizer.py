@@ -62,8 +62,8 @@ class Muon(torch.optim.Optimizer):
         update_rule: what the owner does to the orthogonalized update (:mod:`dmuon.rules`): "muon"
             (nothing) or "normuon" (rows divided by their running RMS, the norm restored).
         beta2: NorMuon's second-moment decay, in [0, 1).
-        adamw_betas: AdamW's betas.
-        adamw_eps: AdamW's eps.
+        momentum_dtype: the momentum buffers' dtype: None (the parameter's), bfloat16 or float32.
+        adamw_betas, adamw_eps: AdamW's betas and eps.
         adamw_lr: AdamW's lr where it differs from ``lr``; it then follows ``lr``'s schedule.
         adamw_weight_decay: AdamW's weight decay where it differs from ``weight_decay``.
         nonfinite_grads: on a non-finite gradient anywhere, "skip" the step on every rank (warned,
@@ -116,6 +116,7 @@ class Muon(torch.optim.Optimizer):
         ns_blocks: int | Sequence[int] | None = None,
         update_rule: str = "muon",
         beta2: float = 0.95,
+        momentum_dtype: torch.dtype | str | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_lr: float | Tensor | None = None,
@@ -134,9 +135,9 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
             eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
-            ns_restarts=ns_restarts, ns_blocks=ns_blocks, update_rule=update_rule, beta2=beta2, adamw_betas=adamw_betas,
-            adamw_eps=adamw_eps, adamw_lr=adamw_lr, adamw_weight_decay=adamw_weight_decay,
-            nonfinite_grads=nonfinite_grads)
+            ns_restarts=ns_restarts, ns_blocks=ns_blocks, update_rule=update_rule, beta2=beta2,
+            momentum_dtype=momentum_dtype, adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_lr=adamw_lr,
+            adamw_weight_decay=adamw_weight_decay, nonfinite_grads=nonfinite_grads)
         options = EngineOptions(comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products, compile,
                                 cuda_graphs, early_start)
         # sets _stepper (the step's owner), _job and _process_group (the agreement's and the replicas' groups)

@@ -121,6 +121,7 @@ def build_group(param_group: dict[str, Any], defaults: dict[str, Any], index: in
     for key in MUON_KEYS:
         group.setdefault(key, defaults[key])
     group["ns_dtype"] = dtype_name(group["ns_dtype"], where)
+    group["momentum_dtype"] = dtype_name(group["momentum_dtype"], where, "momentum_dtype")
     if not isinstance(group["ns_blocks"], (int, type(None))):
         group["ns_blocks"] = list(group["ns_blocks"])  # plain values: DCP state dicts take them
     group.update(adamw_options(param_group, defaults), algorithm=algorithm, base_lr=float(group["lr"]))
@@ -534,25 +535,31 @@ def from_torch_muon(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]
     return {"state": converted_state, "param_groups": converted_groups}
 
 
-def with_rule_keys(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """A state dict saved before update rules existed, its groups as they were stepped: with
-    update rule "muon", and this optimizer's values of the rules' options (which Muon's ignores)."""
+def with_new_keys(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A state dict saved before update rules and ``momentum_dtype`` existed, its groups as they
+    were stepped: update rule "muon", momentum in the parameter's dtype, and this optimizer's
+    values of the rules' options (which Muon's ignores)."""
     saved = state_dict.get("param_groups")
-    if not isinstance(saved, list) or all(not isinstance(g, dict) or "update_rule" in g for g in saved):
+    keys = ("update_rule", "momentum_dtype")
+    if not isinstance(saved, list) or all(not isinstance(g, dict) or all(k in g for k in keys) for g in saved):
         return state_dict
-    added = [{"update_rule": "muon", **{key: mine[key] for key in RULE_OPTIONS}} for mine in groups]
+    added = [{"update_rule": "muon", "momentum_dtype": None, **{key: mine[key] for key in RULE_OPTIONS}}
+             for mine in groups]
     return {**state_dict, "param_groups": [{**new, **g} if isinstance(g, dict) else g
                                            for g, new in zip(saved, added)] + saved[len(added):]}
 
 
 def restore_kept_dtypes(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]], state: dict) -> None:
     """After torch's ``load_state_dict``, which casts every state tensor to its parameter's dtype:
-    the state dmuon keeps in another dtype (an update rule's fp32 row state beside bf16 weights)
-    put back from ``state_dict`` uncast, so that no bit is lost."""
+    the state dmuon keeps in another dtype (an update rule's fp32 row state beside bf16 weights,
+    momentum in its ``momentum_dtype``) put back from ``state_dict`` uncast, so that no bit is
+    lost (a step casts a momentum saved in another dtype to the group's)."""
     saved = state_dict["state"]
     for saved_group, group in zip(state_dict["param_groups"], groups):
         for key, p, algorithm in zip(saved_group["params"], group["params"], group["algorithms"]):
-            for name in _row_state_keys(group, algorithm):
+            kept = (*_row_state_keys(group, algorithm),
+                    *(("momentum_buffer",) if algorithm == "muon" and group["momentum_dtype"] is not None else ()))
+            for name in kept:
                 value = saved.get(key, {}).get(name)
                 if isinstance(value, Tensor) and state[p][name].dtype != value.dtype:
                     state[p][name] = value.to(device=p.device)

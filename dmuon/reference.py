@@ -31,7 +31,7 @@ from dmuon.rules import RULES, apply_rule
 # a key Muon no longer takes fails here, at import.
 HYPERPARAMETERS = (
     "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
-    "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts", "ns_blocks", "update_rule", "beta2",
+    "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts", "ns_blocks", "update_rule", "beta2", "momentum_dtype",
 )
 _DEFAULTS = {name: inspect.signature(Muon.__init__).parameters[name].default for name in HYPERPARAMETERS}
 
@@ -72,10 +72,16 @@ class ReferenceMuon(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
+                    kept = group["momentum_dtype"]
+                    dtype = p.dtype if kept is None else getattr(torch, str(kept).removeprefix("torch."))
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
                 buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                ns_input = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                # a buffer in another dtype than the gradient (momentum_dtype): the lerp in the wider one;
+                # Newton–Schulz's input in the parameter's dtype
+                wide = torch.promote_types(buf.dtype, p.grad.dtype)
+                buf.copy_(buf.to(wide).lerp(p.grad.to(wide), 1 - group["momentum"]))
+                ns_input = p.grad.to(wide).lerp(buf.to(wide), group["momentum"]) if group["nesterov"] else buf
+                ns_input = ns_input.to(p.dtype)
                 count, m, n = matrix_shape(p.shape, group["matrix_view"])
                 matrices = ns_input.reshape(count, m, n)
                 rows = block_rows(group["ns_blocks"], m)

@@ -25,13 +25,28 @@ from dmuon.tensors import local
 
 
 def update_momentum(buf: Tensor, grad: Tensor, momentum: Tensor) -> None:
-    """``B ← μ·B + (1−μ)·G``, μ a 0-D tensor (compiled once for every μ)."""
+    """``B ← μ·B + (1−μ)·G``, μ a 0-D tensor (compiled once for every μ); a buffer of another
+    dtype than the gradient's (``momentum_dtype``) as :func:`lerp_mixed` computes it."""
+    if buf.dtype != grad.dtype:
+        buf.copy_(lerp_mixed(buf, grad, 1 - momentum))
+        return
     buf.lerp_(grad, 1 - momentum.to(buf.dtype))
 
 
 def nesterov_input(grad: Tensor, buf: Tensor, momentum: Tensor) -> Tensor:
     """``G + μ·(B − G)``: the Newton–Schulz input with Nesterov momentum."""
+    if buf.dtype != grad.dtype:
+        return lerp_mixed(grad, buf, momentum)
     return torch.lerp(grad, buf, momentum.to(buf.dtype))
+
+
+def lerp_mixed(start: Tensor, end: Tensor, weight: float | Tensor) -> Tensor:
+    """``start + weight·(end − start)`` for tensors of two dtypes (a momentum buffer kept in
+    ``momentum_dtype`` beside its gradient): computed in the wider dtype, one tensor at a time, so
+    that no more than one parameter's worth of it exists at once."""
+    wide = torch.promote_types(start.dtype, end.dtype)
+    weight = weight.to(wide) if isinstance(weight, Tensor) else weight
+    return torch.lerp(start.to(wide), end.to(wide), weight)
 
 
 def apply_update(param: Tensor, update: Tensor, lr: Tensor, weight_decay: Tensor, scale: float) -> None:
@@ -68,19 +83,28 @@ def scalar(value: float | Tensor, device: torch.device) -> Tensor:
 
 
 def update_momentum_all(bufs: list[Tensor], grads: list[Tensor], momentum: float) -> None:
-    """:func:`update_momentum` of every (buffer, gradient) pair."""
-    torch._foreach_lerp_(bufs, grads, 1 - momentum)
+    """:func:`update_momentum` of every (buffer, gradient) pair (one foreach call where their
+    dtypes agree; a buffer in its own ``momentum_dtype`` through :func:`lerp_mixed`)."""
+    if all(b.dtype == g.dtype for b, g in zip(bufs, grads)):
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        return
+    for buf, grad in zip(bufs, grads):
+        buf.copy_(lerp_mixed(buf, grad, 1 - momentum))
 
 
 def momentum_out_of_place(bufs: list[Tensor], grads: list[Tensor], momentum: float) -> list[Tensor]:
     """What :func:`update_momentum_all` would leave in the buffers (the same bits), in new
     tensors: early start's, which must not touch the buffers before ``step()``."""
-    return list(torch._foreach_lerp(bufs, grads, 1 - momentum))
+    if all(b.dtype == g.dtype for b, g in zip(bufs, grads)):
+        return list(torch._foreach_lerp(bufs, grads, 1 - momentum))
+    return [lerp_mixed(b, g, 1 - momentum).to(b.dtype) for b, g in zip(bufs, grads)]
 
 
 def nesterov_inputs_all(grads: list[Tensor], bufs: list[Tensor], momentum: float) -> list[Tensor]:
     """:func:`nesterov_input` of every pair."""
-    return list(torch._foreach_lerp(grads, bufs, momentum))
+    if all(b.dtype == g.dtype for b, g in zip(bufs, grads)):
+        return list(torch._foreach_lerp(grads, bufs, momentum))
+    return [lerp_mixed(g, b, momentum) for g, b in zip(grads, bufs)]
 
 
 def apply_updates_all(params: list[Tensor], updates: list[Tensor], lr: float, weight_decay: float,

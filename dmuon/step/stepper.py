@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from dmuon import param_groups
 from dmuon.agreement import Fingerprint, PreparedStep, agree_on_step, digest_words
 from dmuon.exchange import GroupRef, collective_device
-from dmuon.hyperparameters import EngineOptions
+from dmuon.hyperparameters import EngineOptions, momentum_dtype
 from dmuon.layout import (
     finish_fsdp_backward,
     fsdp_left_in_backward,
@@ -297,14 +297,17 @@ class Stepper:
 
 def init_state(groups: Groups, state: dict, muon: Sequence[param_groups.MuonParam], stepped: set[int]) -> None:
     """The state of each parameter this step updates, created at its first step (as torch's
-    ``_init_group`` does): Muon's momentum buffer, AdamW's step count and two moments, each
-    shaped and placed like the parameter (a DTensor's: its placement); the row state of a Muon
+    ``_init_group`` does): Muon's momentum buffer (in the group's ``momentum_dtype``, cast when
+    that changes), AdamW's step count and two moments, each shaped and placed like the parameter
+    (a DTensor's: its placement); the row state of a Muon
     group's update rule (:func:`dmuon.layout.row_state_zeros`), created when the rule is set, and
     dropped when the group's rule no longer keeps it."""
     for m in muon:
-        entry = state[m.param]
+        entry, dtype = state[m.param], momentum_dtype(m.param_group, m.param)
         if "momentum_buffer" not in entry:
-            entry["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
+            entry["momentum_buffer"] = torch.zeros_like(m.param, dtype=dtype, memory_format=torch.preserve_format)
+        elif entry["momentum_buffer"].dtype != dtype:  # the group's momentum_dtype changed
+            entry["momentum_buffer"] = entry["momentum_buffer"].to(dtype)
         kept = rule_of(m.param_group).state
         for key in ROW_STATE_KEYS:
             if key != kept:

@@ -69,7 +69,7 @@ def step_parity(layout: str, shapes, steps: int, replica_split, comm_dtype=None,
     ]
     return dict(
         equal_params=equal_params, equal_momentum=equal_momentum, equal_row_states=equal_row_states,
-        close_params=close_params,
+        close_params=close_params, momentum_dtypes={opt.state[p]["momentum_buffer"].dtype for p in params},
         matrices=[s.matrices_orthogonalized for s in stats], bytes_sent=[s.bytes_sent for s in stats],
         planned_bytes=sum(plan.bytes_sent(p) for plan, p in positions),
         planned_matrices=sum(plan.matrices(p) for plan, p in positions),

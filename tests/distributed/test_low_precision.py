@@ -49,9 +49,10 @@ ROW_STATE = "row_second_moment"  # NorMuon's
 ROUNDED = {"column blocks", "ddp, gangs", "fsdp, gangs", "row-wise tp"}
 
 
-def low_precision_steps(layout: str, dtype: torch.dtype, steps: int = 2, update_rule: str = "muon") -> dict:
+def low_precision_steps(layout: str, dtype: torch.dtype, steps: int = 2, update_rule: str = "muon",
+                        momentum_dtype: torch.dtype | None = None) -> dict:
     mesh_shape, placements, options, shapes = LAYOUTS[layout]
-    hparams = {**HPARAMS, "update_rule": update_rule}
+    hparams = {**HPARAMS, "update_rule": update_rule, "momentum_dtype": momentum_dtype}
     mesh = init_device_mesh("cpu", mesh_shape(dist.get_world_size())) if mesh_shape else None
 
     def place(t: torch.Tensor, i: int) -> torch.Tensor:
@@ -143,3 +144,27 @@ def test_normuon_in_every_layout_matches_one_process(layout, world):
             assert torch.allclose(got, ref, rtol=2e-2, atol=1e-6), i
         else:
             assert torch.equal(got, ref), f"row state of w{i}"
+
+
+@pytest.mark.parametrize("layout,world", [("ddp", 3), ("fsdp", 2), ("hsdp, replicas split", 4), ("row-wise tp", 2),
+                                          ("2-d blocks", 4), ("expert stacks", 3), ("fsdp, fused blocks", 3),
+                                          ("fsdp, gangs", 4)])
+def test_fp32_momentum_beside_bf16_weights_in_every_layout(layout, world):
+    """``momentum_dtype=torch.float32`` with bf16 parameters: the buffers fp32 on every rank and
+    bitwise the reference's; weights as bf16 momentum gives them (bitwise, or to rounding where
+    the layout sums or transposes)."""
+    results = run_on_ranks(world, low_precision_steps, layout, torch.bfloat16, 2, "muon", torch.float32)
+    first = results[0]
+    for rank, r in enumerate(results):
+        assert r["dtypes"] == {torch.bfloat16, torch.float32}, rank
+        for name in ("params", "momentum"):
+            for i, (got, ref) in enumerate(zip(r[name], first[name])):
+                assert torch.equal(got, ref), f"rank {rank}'s {name} of w{i} differs from rank 0's"
+    for i, (got, ref) in enumerate(zip(first["momentum"], first["ref_momentum"])):
+        assert got.dtype == torch.float32 and torch.equal(got, ref), f"momentum of w{i}"
+    for i, (got, ref) in enumerate(zip(first["params"], first["reference"])):
+        if layout in ROUNDED:
+            error = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert error < 2e-3, (i, error)
+        else:
+            assert torch.equal(got, ref), f"w{i}: {(got != ref).sum().item()} of {got.numel()} elements differ"

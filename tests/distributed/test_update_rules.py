@@ -1,8 +1,9 @@
-"""Update rules (dmuon.rules) on real processes: NorMuon's step equals the single-process
-reference bitwise in fp32 under DDP, FSDP2 and HSDP at 1–4 ranks (bf16 and every other layout:
-tests/distributed/test_low_precision.py), under early start and owner sharding; its row state
-round-trips through torch.distributed.checkpoint across layouts and world sizes, and training
-goes on bitwise as it would have without the round trip."""
+"""Update rules (dmuon.rules) and momentum in a smaller dtype on real processes: NorMuon's step
+equals the single-process reference bitwise in fp32 under DDP, FSDP2 and HSDP at 1–4 ranks (bf16
+and every other layout: tests/distributed/test_low_precision.py), under early start and owner
+sharding, and so does bf16 momentum; the row state and the bf16 momentum round-trip through
+torch.distributed.checkpoint across layouts and world sizes, and training goes on bitwise as it
+would have without the round trip."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ def test_normuon_step_is_bitwise_equal_to_single_process(layout, world):
     for rank, r in enumerate(results):
         assert len(r["equal_row_states"]) == len(SHAPES), rank
         assert all(r["equal_row_states"]) and all(r["equal_momentum"]) and all(r["equal_params"]), (rank, r)
+
+
+@pytest.mark.parametrize("layout,world", [("ddp", 2), ("ddp", 3), ("fsdp", 2), ("fsdp", 3), ("hsdp", 4)])
+def test_bf16_momentum_step_is_bitwise_equal_to_single_process(layout, world):
+    """``momentum_dtype=torch.bfloat16`` beside fp32 weights: the buffers bf16, every rank's and the
+    reference's the same bits (the reference keeps its momentum in bf16 too)."""
+    for rank, r in enumerate(run_on_ranks(world, step_parity, layout, SHAPES, 3, None, momentum_dtype=torch.bfloat16,
+                                          update_rule="normuon")):
+        assert all(r["equal_row_states"]) and all(r["equal_momentum"]) and all(r["equal_params"]), (rank, r)
+        assert r["momentum_dtypes"] == {torch.bfloat16}, rank
 
 
 @pytest.mark.parametrize("parallel,world", [("owner", 3), ("fsdp", 2)])
@@ -74,40 +85,52 @@ class Weights(nn.Module):
         opt.step()
 
 
-def saved_then_continued(path: str, steps: int, more: int, dtype: torch.dtype = torch.float32) -> dict:
+def saved_then_continued(path: str, steps: int, more: int, dtype: torch.dtype = torch.float32,
+                         options: dict | None = None) -> dict:
     """FSDP2: ``steps`` steps, a checkpoint, then ``more`` steps without any round trip."""
     model = Weights("fsdp", dtype)
-    opt = dmuon.Muon([{"params": list(model.ws), "algorithm": "muon"}], **CKPT_HPARAMS)
+    opt = dmuon.Muon([{"params": list(model.ws), "algorithm": "muon"}], **{**CKPT_HPARAMS, **(options or {})})
     for step in range(steps):
         model.step(opt, step)
     dcp_save(model, opt, path)
     saved = [full_tensor(opt.state[w][ROW_STATE]) for w in model.ws]
+    momentum = [full_tensor(opt.state[w]["momentum_buffer"]) for w in model.ws]
     for step in range(steps, steps + more):
         model.step(opt, step)
-    return dict(saved_row_states=saved, params=[full_tensor(w) for w in model.ws])
+    return dict(saved_row_states=saved, saved_momentum=momentum, params=[full_tensor(w) for w in model.ws])
 
 
-def loaded_then_continued(path: str, layout: str, steps: int, more: int, dtype: torch.dtype = torch.float32) -> dict:
+def loaded_then_continued(path: str, layout: str, steps: int, more: int, dtype: torch.dtype = torch.float32,
+                          options: dict | None = None) -> dict:
     model = Weights(layout, dtype)
-    opt = dmuon.Muon([{"params": list(model.ws), "algorithm": "muon"}], **CKPT_HPARAMS)
+    opt = dmuon.Muon([{"params": list(model.ws), "algorithm": "muon"}], **{**CKPT_HPARAMS, **(options or {})})
     dcp_load(model, opt, path)
     loaded = [full_tensor(opt.state[w][ROW_STATE]) for w in model.ws]
+    momentum = [full_tensor(opt.state[w]["momentum_buffer"]) for w in model.ws]
     for step in range(steps, steps + more):
         model.step(opt, step)
-    return dict(loaded_row_states=loaded, params=[full_tensor(w) for w in model.ws],
+    return dict(loaded_row_states=loaded, loaded_momentum=momentum, params=[full_tensor(w) for w in model.ws],
                 row_states=[full_tensor(opt.state[w][ROW_STATE]) for w in model.ws])
 
 
-@pytest.mark.parametrize("layout,world,dtype", [("fsdp x tp", 4, torch.float32), ("one process", 1, torch.float32),
-                                                ("fsdp", 3, torch.float32), ("fsdp x tp", 4, torch.bfloat16)])
-def test_normuon_checkpoint_loads_across_layouts_and_training_goes_on_bitwise(tmp_path, layout, world, dtype):
+BF16_MOMENTUM = {"momentum_dtype": torch.bfloat16}
+
+
+@pytest.mark.parametrize("layout,world,dtype,options", [
+    ("fsdp x tp", 4, torch.float32, None), ("one process", 1, torch.float32, None), ("fsdp", 3, torch.float32, None),
+    ("fsdp x tp", 4, torch.bfloat16, None), ("fsdp x tp", 4, torch.float32, BF16_MOMENTUM),
+    ("one process", 1, torch.float32, BF16_MOMENTUM)])
+def test_normuon_checkpoint_loads_across_layouts_and_training_goes_on_bitwise(tmp_path, layout, world, dtype, options):
     """bf16 weights too: their row state stays fp32 through the load (torch's load casts state to
-    the parameter's dtype; dmuon puts it back uncast)."""
+    the parameter's dtype; dmuon puts it back uncast); and momentum kept in bf16 beside fp32 weights."""
     path = str(tmp_path / "ckpt")
-    saved = run_on_ranks(2, saved_then_continued, path, 2, 2, dtype)[0]
-    for rank, loaded in enumerate(run_on_ranks(world, loaded_then_continued, path, layout, 2, 2, dtype)):
+    saved = run_on_ranks(2, saved_then_continued, path, 2, 2, dtype, options)[0]
+    for rank, loaded in enumerate(run_on_ranks(world, loaded_then_continued, path, layout, 2, 2, dtype, options)):
         for i, (got, want) in enumerate(zip(loaded["loaded_row_states"], saved["saved_row_states"])):
             assert got.dtype == torch.float32 and torch.equal(got, want), (rank, i)
+        for i, (got, want) in enumerate(zip(loaded["loaded_momentum"], saved["saved_momentum"])):
+            assert got.dtype == want.dtype == (torch.bfloat16 if options else dtype), (rank, i)
+            assert torch.equal(got, want), (rank, i)
             assert want.abs().sum() > 0  # a state worth carrying
         for i, (got, want) in enumerate(zip(loaded["params"], saved["params"])):
             assert torch.equal(got, want), f"rank {rank}: w{i} after the round trip differs"

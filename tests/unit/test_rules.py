@@ -128,9 +128,10 @@ def test_an_old_state_dict_without_the_rule_keys_loads_as_muon():
     opt.step()
     saved = opt.state_dict()
     for group in saved["param_groups"]:
-        del group["update_rule"], group["beta2"]
+        del group["update_rule"], group["beta2"], group["momentum_dtype"]
     opt.load_state_dict(saved)
     assert opt.param_groups[0]["update_rule"] == "muon" and opt.param_groups[0]["beta2"] == 0.95
+    assert opt.param_groups[0]["momentum_dtype"] is None
 
 
 @pytest.mark.parametrize("dtype,view,shape,rows", [(torch.float64, "auto", (8, 4), (8,)),
