@@ -117,13 +117,15 @@ LLAMA_HPARAMS = dict(lr=0.02, weight_decay=0.1, ns_method="standard", ns_dtype=t
 def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = torch.float32,
                 mixed_precision: bool = False, early_start: bool | None = None, bucket_bytes: int | None = None,
                 qk_threshold: float | None = None, ddp_comm_hook: bool = False,
-                ddp_options: dict | None = None, update_rule: str = "muon") -> dict:
+                ddp_options: dict | None = None, update_rule: str = "muon",
+                momentum_dtype: torch.dtype | None = None) -> dict:
     """Train the tiny model; ``parallel`` None is the single-process reference, else "ddp",
     "fsdp", "hsdp", "owner" (the blocks' matrices owner-sharded) or "fsdp+tp" (a (dp, 2) mesh,
     :func:`tensor_parallel_blocks`) with the data split across the data-parallel ranks.
 
     ``dtype``: the parameters' dtype; ``mixed_precision``: FSDP2 computes in bf16 and reduces
-    in fp32 while its sharded parameters stay fp32. ``early_start``, ``bucket_bytes``, ``update_rule``: dmuon's options;
+    in fp32 while its sharded parameters stay fp32. ``early_start``, ``bucket_bytes``, ``update_rule``,
+    ``momentum_dtype``: dmuon's options;
     ``qk_threshold``: QK-clip's τ (``dmuon.QKClip.for_model``), None: no clip. ``ddp_comm_hook``:
     register dmuon's (``Muon.register_ddp_comm_hook``); ``ddp_options``: DistributedDataParallel's.
     """
@@ -150,6 +152,7 @@ def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = t
         fully_shard(model, mesh=mesh["dp"])
         rank, world = mesh["dp"].get_local_rank(), world // 2  # tensor-parallel ranks see the same batch
     opt = dmuon.Muon(model, replica_split=replica_split, early_start=early_start, update_rule=update_rule,
+                     momentum_dtype=momentum_dtype,
                      **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}), **LLAMA_HPARAMS)
     if ddp_comm_hook:
         opt.register_ddp_comm_hook(model)

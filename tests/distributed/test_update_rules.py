@@ -56,6 +56,20 @@ def test_normuon_under_owner_sharding_and_early_start_trains_as_one_process(para
             torch.testing.assert_close(r["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("parallel,world", [("fsdp", 2), ("owner", 3)])
+def test_bf16_momentum_under_early_start_is_bitwise_the_step_at_step_time(parallel, world):
+    """Early start computes the momentum out of place during the backward pass; with bf16 buffers
+    beside fp32 weights it gives the bits of the step computed at ``step()``."""
+    on = run_on_ranks(world, train_llama, parallel, early_start=True, momentum_dtype=torch.bfloat16,
+                      update_rule="normuon")
+    off = run_on_ranks(world, train_llama, parallel, early_start=False, momentum_dtype=torch.bfloat16,
+                       update_rule="normuon")
+    for a, b in zip(on, off):
+        assert a["early_buckets"][0] > 0 and a["state_dtypes"] == {torch.float32, torch.bfloat16}
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(a["params"][name], value) for name, value in b["params"].items())
+
+
 # ---------------------------------------------------------------- checkpoints across layouts
 
 CKPT_SHAPES = [(32, 48), (24, 16), (16, 16)]
