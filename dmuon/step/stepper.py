@@ -299,9 +299,9 @@ def init_state(groups: Groups, state: dict, muon: Sequence[param_groups.MuonPara
     """The state of each parameter this step updates, created at its first step (as torch's
     ``_init_group`` does): Muon's momentum buffer (in the group's ``momentum_dtype``, cast when
     that changes), AdamW's step count and two moments, each shaped and placed like the parameter
-    (a DTensor's: its placement); the row state of a Muon
-    group's update rule (:func:`dmuon.layout.row_state_zeros`), created when the rule is set, and
-    dropped when the group's rule no longer keeps it."""
+    (a DTensor's: its placement); the row state of a Muon group's update rule
+    (:func:`dmuon.layout.row_state_zeros`), created when the rule is set, and dropped when the
+    group's rule no longer keeps it."""
     for m in muon:
         entry, dtype = state[m.param], momentum_dtype(m.param_group, m.param)
         if "momentum_buffer" not in entry:
