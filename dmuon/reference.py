@@ -7,8 +7,9 @@ paths against: same algorithm, written as directly as possible. Pair it with
 It computes the momentum, the update and the lr factor itself. From the package it takes only
 the Newton–Schulz core (``dmuon.orthogonalization.newton_schulz``, tested on its own against the
 exact polynomial), the update rules (:mod:`dmuon.rules`, NorMuon's tested on its own against the
-paper's algorithm) and what configures them: Muon's defaults, and how a parameter is read as
-matrices and row blocks (``dmuon.routing.matrix_shape``, ``block_rows``).
+paper's algorithm) and what configures them: Muon's defaults, how a parameter is read as
+matrices and row blocks (``dmuon.routing.matrix_shape``, ``block_rows``) and a dtype option's
+name (``dmuon.hyperparameters.dtype_name``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dmuon.hyperparameters import dtype_name
 from dmuon.optimizer import Muon
 from dmuon.orthogonalization import newton_schulz
 from dmuon.routing import block_rows, matrix_shape, row_shape
@@ -73,7 +75,7 @@ class ReferenceMuon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     kept = group["momentum_dtype"]
-                    dtype = p.dtype if kept is None else getattr(torch, str(kept).removeprefix("torch."))
+                    dtype = p.dtype if kept is None else getattr(torch, dtype_name(kept, option="momentum_dtype"))
                     state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
                 buf = state["momentum_buffer"]
                 # a buffer in another dtype than the gradient (momentum_dtype): the lerp in the wider one;
