@@ -27,8 +27,9 @@ MUON_KEYS = (
     "adjust_lr_fn", "ns_method", "ns_dtype", "ns_restarts", "ns_blocks", "update_rule", *RULE_OPTIONS,
     "momentum_dtype",
 )
-# the dtypes momentum may be kept in besides the parameter's (momentum_dtype=None)
-MOMENTUM_DTYPES = ("bfloat16", "float32")
+# what momentum may be kept in besides the parameter's dtype (momentum_dtype=None); "int8":
+# 8-bit blocks (dmuon.momentum)
+MOMENTUM_DTYPES = ("bfloat16", "float32", "int8")
 # AdamW's options as a param group stores them; None for lr and weight decay: the group's own.
 ADAMW_GROUP_KEYS = ("adamw_lr", "adamw_weight_decay", "adamw_betas", "adamw_eps")
 # Per-parameter routing, stored in each group (and in checkpoints): lists parallel to "params".
@@ -256,14 +257,18 @@ def dtype_name(value: torch.dtype | str | None, where: str = "", option: str = "
         return None
     name = str(value).removeprefix("torch.")
     dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"Invalid {option}={value!r}{where}. Must be a floating torch.dtype, its name, or None.")
+    blockwise = option == "momentum_dtype" and dtype == torch.int8  # 8-bit blocks
+    if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or blockwise):
+        kinds = "a floating torch.dtype, torch.int8 (8-bit blocks)" if option == "momentum_dtype" \
+            else "a floating torch.dtype"
+        raise ValueError(f"Invalid {option}={value!r}{where}. Must be {kinds}, its name, or None.")
     return name
 
 
 def momentum_dtype(group: dict[str, Any], param: Tensor) -> torch.dtype:
-    """The dtype ``param``'s momentum buffer is kept in: the group's ``momentum_dtype``, or the parameter's."""
-    name = group["momentum_dtype"]
+    """The dtype ``param``'s momentum buffer is kept in: the group's ``momentum_dtype`` (torch.int8:
+    8-bit blocks, :mod:`dmuon.momentum`), or the parameter's."""
+    name = dtype_name(group["momentum_dtype"], option="momentum_dtype")  # (a user may set a torch.dtype)
     return getattr(torch, name) if name is not None else param.dtype
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from dmuon import momentum
 from dmuon.hyperparameters import (
     ADAMW_GROUP_KEYS,
     GROUP_KEYS,
@@ -164,7 +165,19 @@ def route(name: str | None, param: Tensor, index: int, algorithm: str | None, vi
             block_rows(group["ns_blocks"], m)
         except ValueError as err:
             raise ValueError(f"{err} ({label}{where})") from None
+        check_momentum_blocks(group, param, label, where)
     return chosen
+
+
+def check_momentum_blocks(group: dict[str, Any], param: Tensor, label: str, where: str) -> None:
+    """Raise a ValueError naming ``param`` where ``group`` keeps 8-bit momentum that the
+    parameter's layout would cut between ranks (:func:`dmuon.momentum.split_error`)."""
+    blockwise = dtype_name(group["momentum_dtype"], where, "momentum_dtype") == momentum.BLOCKWISE
+    reason = momentum.split_error(param) if blockwise else None
+    if reason is not None:
+        raise ValueError(f"momentum_dtype='int8' cannot keep the momentum of {label}{where} in 8-bit blocks of "
+                         f"{momentum.BLOCK} columns: {reason}. Give it a group with momentum_dtype='bfloat16', or "
+                         f"split its last dim so that each rank's columns start at a multiple of {momentum.BLOCK}.")
 
 
 def from_use_muon(param_group: dict[str, Any], where: str) -> dict[str, Any]:
@@ -486,6 +499,9 @@ def validate_groups(groups: Sequence[dict[str, Any]]) -> None:
         where = f" in param group {g}"
         if "muon" in group["algorithms"]:
             validate_muon_group(group, where)
+            for name, p, algorithm in zip(names_of(group, g), group["params"], group["algorithms"]):
+                if algorithm == "muon":
+                    check_momentum_blocks(group, p, name, where)
         validate_adamw_group(group, where)
 
 
@@ -552,12 +568,12 @@ def with_new_keys(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) 
 def restore_kept_dtypes(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]], state: dict) -> None:
     """After torch's ``load_state_dict``, which casts every state tensor to its parameter's dtype:
     the state dmuon keeps in another dtype (an update rule's fp32 row state beside bf16 weights,
-    momentum in its ``momentum_dtype``) put back from ``state_dict`` uncast, so that no bit is
+    momentum in its ``momentum_dtype``, 8-bit momentum's codes and scales) put back from ``state_dict`` uncast, so that no bit is
     lost (a step casts a momentum saved in another dtype to the group's)."""
     saved = state_dict["state"]
     for saved_group, group in zip(state_dict["param_groups"], groups):
         for key, p, algorithm in zip(saved_group["params"], group["params"], group["algorithms"]):
-            kept = (*_row_state_keys(group, algorithm),
+            kept = (*_row_state_keys(group, algorithm), *_scale_keys(group, algorithm),
                     *(("momentum_buffer",) if algorithm == "muon" and group["momentum_dtype"] is not None else ()))
             for name in kept:
                 value = saved.get(key, {}).get(name)
@@ -603,7 +619,7 @@ def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]])
             if not isinstance(entry, dict):
                 raise ValueError(f"The state of parameter {names[i]!r} is a {type(entry).__name__}, not a dict.")
             algorithm = mine["algorithms"][i]
-            kept = (*STATE_KEYS[algorithm], *_row_state_keys(mine, algorithm))
+            kept = (*STATE_KEYS[algorithm], *_row_state_keys(mine, algorithm), *_scale_keys(saved, algorithm))
             others = sorted({k for k in entry if k not in kept} & set(_STATE_OWNER))
             if others:
                 raise ValueError(f"Parameter {names[i]!r} is routed to {algorithm} here, but its state in the state "
@@ -613,6 +629,12 @@ def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]])
                 _check_state_tensor(entry.get(name), name, p, names[i])
             for name in _row_state_keys(mine, algorithm) if entry else ():
                 _check_row_state(entry.get(name), name, p, mine["matrix_views"][i], names[i])
+            for name in _scale_keys(saved, algorithm) if entry else ():
+                _check_state_tensor(entry.get(name), name, p, names[i], momentum.scale_shape(p.shape))
+                if entry["momentum_buffer"].dtype != torch.int8:
+                    raise ValueError(f"The state of parameter {names[i]!r} has momentum_buffer in "
+                                     f"{entry['momentum_buffer'].dtype} beside momentum_dtype='int8': 8-bit momentum "
+                                     "keeps int8 codes there.")
     keys = [key for saved in saved_groups for key in saved["params"]]
     if len(set(keys)) != len(keys):
         raise ValueError(f"The state dict's param groups list a parameter key twice: {keys}.")
@@ -628,7 +650,7 @@ def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]])
 
 
 # which algorithm (or Muon's update rule) keeps each state key
-_STATE_OWNER = {**{key: algorithm for algorithm, keys in STATE_KEYS.items() for key in keys},
+_STATE_OWNER = {**{key: algorithm for algorithm, keys in STATE_KEYS.items() for key in keys}, momentum.SCALE_KEY: "muon",
                 **{rule.state: rule.name for rule in RULES.values() if rule.state is not None}}
 
 
@@ -636,6 +658,12 @@ def _row_state_keys(group: dict[str, Any], algorithm: str) -> tuple[str, ...]:
     """The row state a parameter of ``group`` routed to ``algorithm`` keeps: its update rule's, for Muon."""
     state = rule_of(group).state if algorithm == "muon" else None
     return () if state is None else (state,)
+
+
+def _scale_keys(group: dict[str, Any], algorithm: str) -> tuple[str, ...]:
+    """The 8-bit momentum scales a parameter of ``group`` routed to ``algorithm`` keeps (:mod:`dmuon.momentum`)."""
+    blockwise = group.get("momentum_dtype") in (momentum.BLOCKWISE, torch.int8)
+    return (momentum.SCALE_KEY,) if algorithm == "muon" and blockwise else ()
 
 
 def _check_row_state(value: Any, key: str, param: Tensor, view: str, name: str) -> None:
@@ -662,8 +690,9 @@ def _length(value: Any) -> str:
     return f"of {len(value)} entries" if isinstance(value, list) else f"as a {type(value).__name__}"
 
 
-def _check_state_tensor(value: Any, key: str, param: Tensor, name: str) -> None:
-    """One state tensor against its parameter: a tensor, of the parameter's shape and layout."""
+def _check_state_tensor(value: Any, key: str, param: Tensor, name: str, shape: tuple[int, ...] | None = None) -> None:
+    """One state tensor against its parameter: a tensor, of the parameter's shape (or ``shape``:
+    8-bit momentum's scales) and layout."""
     if not isinstance(value, Tensor):
         raise ValueError(f"The state of parameter {name!r} lacks {key!r} (or it is not a tensor).")
     if value.is_meta:
@@ -675,9 +704,10 @@ def _check_state_tensor(value: Any, key: str, param: Tensor, name: str) -> None:
             raise ValueError(f"The state of parameter {name!r} has step={count.item() if count is not None else value}"
                              "; AdamW's step count must be one number >= 0.")
         return
-    if tuple(value.shape) != tuple(param.shape):
+    expected = tuple(param.shape) if shape is None else shape
+    if tuple(value.shape) != expected:
         raise ValueError(f"The state of parameter {name!r} has {key} of shape {tuple(value.shape)}; the "
-                         f"parameter's shape is {tuple(param.shape)}.")
+                         f"parameter's shape{'' if shape is None else ' counted in blocks'} is {expected}.")
     if isinstance(value, DTensor) != isinstance(param, DTensor) or (
             isinstance(param, DTensor) and (tuple(value.placements) != tuple(param.placements)
                                             or value.device_mesh != param.device_mesh)):

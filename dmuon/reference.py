@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dmuon import momentum
 from dmuon.hyperparameters import dtype_name
 from dmuon.optimizer import Muon
 from dmuon.orthogonalization import newton_schulz
@@ -76,12 +77,13 @@ class ReferenceMuon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     kept = group["momentum_dtype"]
                     dtype = p.dtype if kept is None else getattr(torch, dtype_name(kept, option="momentum_dtype"))
-                    state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
-                buf = state["momentum_buffer"]
+                    state.update(momentum.zeros(p, dtype))
+                buf = momentum.value(state)  # 8-bit momentum: decoded into fp32, and below stored encoded
                 # a buffer in another dtype than the gradient (momentum_dtype): the lerp in the wider one;
                 # Newton–Schulz's input in the parameter's dtype
                 wide = torch.promote_types(buf.dtype, p.grad.dtype)
                 buf.copy_(buf.to(wide).lerp(p.grad.to(wide), 1 - group["momentum"]))
+                momentum.store(state, buf)
                 ns_input = p.grad.to(wide).lerp(buf.to(wide), group["momentum"]) if group["nesterov"] else buf
                 ns_input = ns_input.to(p.dtype)
                 count, m, n = matrix_shape(p.shape, group["matrix_view"])

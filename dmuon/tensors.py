@@ -63,7 +63,8 @@ def digest(tensor: Tensor) -> Tensor:
     permutation) is not seen. Both sums stay in the tensor's own dtypes: on CPU an int64
     accumulator runs about 30 times slower."""
     as_int = _INTEGER_OF_SIZE[tensor.element_size()]
-    return torch.stack([tensor.view(as_int).sum(dtype=as_int), tensor.sum().view(as_int)])
+    values = tensor.sum() if tensor.is_floating_point() else tensor.sum(dtype=tensor.dtype)  # (int8 codes)
+    return torch.stack([tensor.view(as_int).sum(dtype=as_int), values.view(as_int)])
 
 
 def grad_norms(tensors: Sequence[Tensor]) -> list[Tensor]:

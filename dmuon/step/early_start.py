@@ -84,6 +84,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from dmuon import momentum
 from dmuon.exchange import all_reduce_max, start_all_reduce_sum
 from dmuon.layout import owned_by
 from dmuon.param_groups import MuonParam
@@ -177,13 +178,14 @@ class EarlyValues(StepValues):
             work = self.plan.works[i]
             by_group.setdefault(id(work.param_group), (work.param_group, []))[1].append(work.param)
         for group, params in by_group.values():
-            bufs = [local(self.state[p]["momentum_buffer"]) for p in params]
+            stored = [local(self.state[p]["momentum_buffer"]) for p in params]
+            bufs = [momentum.value(self.state[p]) for p in params]
             # a gradient that is missing here (the run is being finished at step()): zeros stand
             # in, and step() finds the missing gradient and does not use the run
             finals = [self.final_grads.get(id(p), p.grad) for p in params]
             grads = [local(g) if g is not None else torch.zeros_like(b) for g, b in zip(finals, bufs)]
             moved = momentum_out_of_place(bufs, grads, group["momentum"])
-            for p, final, g, b, m in zip(params, finals, grads, bufs, moved):
+            for p, final, g, b, m in zip(params, finals, grads, stored, moved):
                 self.grads_and_buffers[id(p)] = (g, m)
                 mark, buffer_digest = buffer_mark(b, group), digest(b)
                 self.read[id(p)] = Read(final, g._version, digest(g), mark, buffer_digest) if final is not None \

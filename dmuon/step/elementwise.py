@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
+from dmuon import momentum
 from dmuon.hyperparameters import adamw_hyperparameters
 from dmuon.orthogonalization import NSConfig, orthogonalize
 from dmuon.param_groups import MuonParam
@@ -148,14 +149,15 @@ def _addable(update: Tensor, dtype: torch.dtype) -> Tensor:
 def update_momentum_of(entries: Sequence[MuonParam], state: dict, kernels: CompiledKernels | None
                        ) -> dict[int, tuple[Tensor, Tensor]]:
     """``B ← μ·B + (1−μ)·G`` for the Muon parameters of ``entries``, whose buffers the optimizer
-    has created; one call per group. Returns this rank's pieces of each parameter's gradient and
-    buffer, by ``id`` of the parameter (the step's Newton–Schulz inputs are made of them)."""
+    has created; one call per group (8-bit momentum: decoded, updated in fp32, stored encoded).
+    Returns this rank's pieces of each parameter's gradient and momentum (the fp32 value of 8-bit
+    momentum), by ``id`` of the parameter (the step's Newton–Schulz inputs are made of them)."""
     pieces: dict[int, tuple[Tensor, Tensor]] = {}
     by_group: dict[int, list] = {}
     for m in entries:
         by_group.setdefault(id(m.param_group), [m.param_group]).append(m.param)
     for group, *params in by_group.values():
-        bufs = [local(state[p]["momentum_buffer"]) for p in params]
+        bufs = [momentum.value(state[p]) for p in params]
         grads = [local(p.grad) for p in params]
         if kernels is not None:
             mu = scalar(group["momentum"], bufs[0].device)
@@ -163,6 +165,8 @@ def update_momentum_of(entries: Sequence[MuonParam], state: dict, kernels: Compi
                 kernels.update_momentum(buf, grad, mu)
         else:
             update_momentum_all(bufs, grads, group["momentum"])
+        for p, buf in zip(params, bufs):
+            momentum.store(state[p], buf)
         pieces.update(zip(map(id, params), zip(grads, bufs)))
     return pieces
 

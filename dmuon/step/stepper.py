@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from dmuon import param_groups
+from dmuon import momentum, param_groups
 from dmuon.agreement import Fingerprint, PreparedStep, agree_on_step, digest_words
 from dmuon.exchange import GroupRef, collective_device
 from dmuon.hyperparameters import EngineOptions, momentum_dtype
@@ -297,17 +297,19 @@ class Stepper:
 
 def init_state(groups: Groups, state: dict, muon: Sequence[param_groups.MuonParam], stepped: set[int]) -> None:
     """The state of each parameter this step updates, created at its first step (as torch's
-    ``_init_group`` does): Muon's momentum buffer (in the group's ``momentum_dtype``, cast when
-    that changes), AdamW's step count and two moments, each shaped and placed like the parameter
+    ``_init_group`` does): Muon's momentum (in the group's ``momentum_dtype``, :mod:`dmuon.momentum`,
+    converted when that changes), AdamW's step count and two moments, each shaped and placed like the parameter
     (a DTensor's: its placement); the row state of a Muon group's update rule
     (:func:`dmuon.layout.row_state_zeros`), created when the rule is set, and dropped when the
     group's rule no longer keeps it."""
     for m in muon:
         entry, dtype = state[m.param], momentum_dtype(m.param_group, m.param)
         if "momentum_buffer" not in entry:
-            entry["momentum_buffer"] = torch.zeros_like(m.param, dtype=dtype, memory_format=torch.preserve_format)
+            entry.update(momentum.zeros(m.param, dtype))
         elif entry["momentum_buffer"].dtype != dtype:  # the group's momentum_dtype changed
-            entry["momentum_buffer"] = entry["momentum_buffer"].to(dtype)
+            converted = momentum.converted(entry, m.param, dtype)
+            entry.pop(momentum.SCALE_KEY, None)
+            entry.update(converted)
         kept = rule_of(m.param_group).state
         for key in ROW_STATE_KEYS:
             if key != kept:

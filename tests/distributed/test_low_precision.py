@@ -43,6 +43,7 @@ LAYOUTS = {
     "fsdp, gangs": (lambda w: (w,), [Shard(0)], {}, GANG_SHAPES),
 }
 ROW_STATE = "row_second_moment"  # NorMuon's
+SCALES = "momentum_scale"  # 8-bit momentum's
 # equal to the single-process step up to rounding, not bitwise: distributed Newton–Schulz sums
 # partial Gram matrices over ranks, and row-wise TP orthogonalizes the transpose (NS(Wᵀ)ᵀ, whose
 # products differ from NS(W)'s for a square W)
@@ -50,8 +51,9 @@ ROUNDED = {"column blocks", "ddp, gangs", "fsdp, gangs", "row-wise tp"}
 
 
 def low_precision_steps(layout: str, dtype: torch.dtype, steps: int = 2, update_rule: str = "muon",
-                        momentum_dtype: torch.dtype | None = None) -> dict:
-    mesh_shape, placements, options, shapes = LAYOUTS[layout]
+                        momentum_dtype: torch.dtype | None = None, shapes: list | None = None) -> dict:
+    mesh_shape, placements, options, layout_shapes = LAYOUTS[layout]
+    shapes = shapes or layout_shapes
     hparams = {**HPARAMS, "update_rule": update_rule, "momentum_dtype": momentum_dtype}
     mesh = init_device_mesh("cpu", mesh_shape(dist.get_world_size())) if mesh_shape else None
 
@@ -87,6 +89,8 @@ def low_precision_steps(layout: str, dtype: torch.dtype, steps: int = 2, update_
         gangs=opt.last_step_stats.gangs,
         row_states=[full_tensor(opt.state[p][ROW_STATE]) for p in params if ROW_STATE in opt.state[p]],
         ref_row_states=[ref.state[r][ROW_STATE] for r in ref_params if ROW_STATE in ref.state[r]],
+        scales=[full_tensor(opt.state[p][SCALES]) for p in params if SCALES in opt.state[p]],
+        ref_scales=[ref.state[r][SCALES] for r in ref_params if SCALES in ref.state[r]],
     )
 
 
@@ -168,3 +172,54 @@ def test_fp32_momentum_beside_bf16_weights_in_every_layout(layout, world):
             assert error < 2e-3, (i, error)
         else:
             assert torch.equal(got, ref), f"w{i}: {(got != ref).sum().item()} of {got.numel()} elements differ"
+
+
+# last dims a row-wise split over 2, 3 or 4 ranks cuts at multiples of 128 columns (whole 8-bit blocks)
+WIDE = [(16, 1536), (40, 1536), (6, 3072)]
+INT8_CASES = [("ddp", 1), ("ddp", 3), ("fsdp", 2), ("fsdp", 3), ("fsdp", 4), ("hsdp, replicas split", 4),
+              ("row-wise tp", 2), ("row-wise tp", 3), ("2-d blocks", 4), ("expert stacks", 3), ("column blocks", 2),
+              ("fsdp, fused blocks", 3), ("fsdp, gangs", 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout,world", INT8_CASES)
+def test_8bit_momentum_in_every_layout_matches_one_process(layout, world, dtype):
+    """``momentum_dtype=torch.int8``: codes and scales on every rank the reference's, bitwise (each
+    block is encoded on the rank holding it, from its own elements); weights as the reference's
+    (bitwise, or to rounding where the layout sums or transposes)."""
+    wide = layout in ("row-wise tp", "2-d blocks")
+    results = run_on_ranks(world, low_precision_steps, layout, dtype, 2, "muon", torch.int8, WIDE if wide else None)
+    first = results[0]
+    assert len(first["scales"]) == len(first["params"]) == len(first["ref_scales"])
+    for rank, r in enumerate(results):
+        assert r["dtypes"] == {dtype, torch.int8}, rank
+        for name in ("params", "momentum", "scales"):
+            for i, (got, ref) in enumerate(zip(r[name], first[name])):
+                assert torch.equal(got, ref), f"rank {rank}'s {name} of w{i} differs from rank 0's"
+    for name in ("momentum", "scales"):
+        for i, (got, ref) in enumerate(zip(first[name], first[f"ref_{name}"])):
+            assert torch.equal(got, ref), f"{name} of w{i}"
+    for i, (got, ref) in enumerate(zip(first["params"], first["reference"])):
+        if layout in ROUNDED and world > 1:
+            error = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert error < 2e-3, (i, error)
+        else:
+            assert torch.equal(got, ref), f"w{i}: {(got != ref).sum().item()} of {got.numel()} elements differ"
+
+
+def row_wise_8bit(columns: int) -> str | None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    w = nn.Parameter(distribute_tensor(torch.zeros(4, columns), mesh, [Shard(1)]))
+    try:
+        dmuon.Muon([{"params": [w], "algorithm": "muon", "param_names": ["proj"], "momentum_dtype": "int8"}])
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_8bit_momentum_refuses_a_split_that_cuts_its_blocks_on_every_rank():
+    """200 columns over 2 ranks: 100 each, so the block of columns 0–127 would lie on both."""
+    for error in run_on_ranks(2, row_wise_8bit, 200):
+        assert error is not None and "momentum of proj in param group 0 in 8-bit blocks of 128 columns" in error
+        assert "split over 2 ranks at 100 columns each" in error and "momentum_dtype='bfloat16'" in error
+    assert run_on_ranks(2, row_wise_8bit, 512) == [None, None]

@@ -56,16 +56,15 @@ def test_normuon_under_owner_sharding_and_early_start_trains_as_one_process(para
             torch.testing.assert_close(r["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("kept", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("parallel,world", [("fsdp", 2), ("owner", 3)])
-def test_bf16_momentum_under_early_start_is_bitwise_the_step_at_step_time(parallel, world):
+def test_small_momentum_under_early_start_is_bitwise_the_step_at_step_time(parallel, world, kept):
     """Early start computes the momentum out of place during the backward pass; with bf16 buffers
-    beside fp32 weights it gives the bits of the step computed at ``step()``."""
-    on = run_on_ranks(world, train_llama, parallel, early_start=True, momentum_dtype=torch.bfloat16,
-                      update_rule="normuon")
-    off = run_on_ranks(world, train_llama, parallel, early_start=False, momentum_dtype=torch.bfloat16,
-                       update_rule="normuon")
+    or 8-bit blocks beside fp32 weights it gives the bits of the step computed at ``step()``."""
+    on = run_on_ranks(world, train_llama, parallel, early_start=True, momentum_dtype=kept, update_rule="normuon")
+    off = run_on_ranks(world, train_llama, parallel, early_start=False, momentum_dtype=kept, update_rule="normuon")
     for a, b in zip(on, off):
-        assert a["early_buckets"][0] > 0 and a["state_dtypes"] == {torch.float32, torch.bfloat16}
+        assert a["early_buckets"][0] > 0 and a["state_dtypes"] == {torch.float32, kept}
         assert a["losses"] == b["losses"]
         assert all(torch.equal(a["params"][name], value) for name, value in b["params"].items())
 
@@ -82,19 +81,19 @@ LAYOUT_MESHES = {"fsdp": (lambda w: (w,), [Shard(0)]), "fsdp x tp": (lambda w: (
 class Weights(nn.Module):
     """Matrices as parameters, in a layout: the optimizer sees DTensors as FSDP2 × TP gives them."""
 
-    def __init__(self, layout: str, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, layout: str, dtype: torch.dtype = torch.float32, shapes: list = CKPT_SHAPES) -> None:
         super().__init__()
         mesh_shape, placements = LAYOUT_MESHES[layout]
         self.mesh = init_device_mesh("cpu", mesh_shape(dist.get_world_size())) if mesh_shape else None
-        self.placements, self.dtype = placements, dtype
-        self.ws = nn.ParameterList(nn.Parameter(self.place(t)) for t in full_tensors(CKPT_SHAPES, 0))
+        self.placements, self.dtype, self.shapes = placements, dtype, shapes
+        self.ws = nn.ParameterList(nn.Parameter(self.place(t)) for t in full_tensors(shapes, 0))
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         t = t.to(self.dtype)
         return t.clone() if self.mesh is None else distribute_tensor(t.clone(), self.mesh, self.placements)
 
     def step(self, opt: dmuon.Muon, step: int) -> None:
-        for w, g in zip(self.ws, full_tensors(CKPT_SHAPES, 100 + step)):
+        for w, g in zip(self.ws, full_tensors(self.shapes, 100 + step)):
             w.grad = self.place(g)
         opt.step()
 
@@ -102,25 +101,35 @@ class Weights(nn.Module):
 def saved_then_continued(path: str, steps: int, more: int, dtype: torch.dtype = torch.float32,
                          options: dict | None = None) -> dict:
     """FSDP2: ``steps`` steps, a checkpoint, then ``more`` steps without any round trip."""
-    model = Weights("fsdp", dtype)
+    model = Weights("fsdp", dtype, _shapes(options))
     opt = dmuon.Muon([{"params": list(model.ws), "algorithm": "muon"}], **{**CKPT_HPARAMS, **(options or {})})
     for step in range(steps):
         model.step(opt, step)
     dcp_save(model, opt, path)
     saved = [full_tensor(opt.state[w][ROW_STATE]) for w in model.ws]
-    momentum = [full_tensor(opt.state[w]["momentum_buffer"]) for w in model.ws]
+    momentum = [momentum_of(opt, w) for w in model.ws]
     for step in range(steps, steps + more):
         model.step(opt, step)
     return dict(saved_row_states=saved, saved_momentum=momentum, params=[full_tensor(w) for w in model.ws])
 
 
+def momentum_of(opt: dmuon.Muon, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The whole momentum state of ``w``: its buffer, and 8-bit momentum's scales."""
+    return tuple(full_tensor(opt.state[w][key]) for key in ("momentum_buffer", "momentum_scale")
+                 if key in opt.state[w])
+
+
+def _shapes(options: dict | None) -> list:
+    return INT8_SHAPES if (options or {}).get("momentum_dtype") == torch.int8 else CKPT_SHAPES
+
+
 def loaded_then_continued(path: str, layout: str, steps: int, more: int, dtype: torch.dtype = torch.float32,
                           options: dict | None = None) -> dict:
-    model = Weights(layout, dtype)
+    model = Weights(layout, dtype, _shapes(options))
     opt = dmuon.Muon([{"params": list(model.ws), "algorithm": "muon"}], **{**CKPT_HPARAMS, **(options or {})})
     dcp_load(model, opt, path)
     loaded = [full_tensor(opt.state[w][ROW_STATE]) for w in model.ws]
-    momentum = [full_tensor(opt.state[w]["momentum_buffer"]) for w in model.ws]
+    momentum = [momentum_of(opt, w) for w in model.ws]
     for step in range(steps, steps + more):
         model.step(opt, step)
     return dict(loaded_row_states=loaded, loaded_momentum=momentum, params=[full_tensor(w) for w in model.ws],
@@ -128,24 +137,32 @@ def loaded_then_continued(path: str, layout: str, steps: int, more: int, dtype: 
 
 
 BF16_MOMENTUM = {"momentum_dtype": torch.bfloat16}
+INT8_MOMENTUM = {"momentum_dtype": torch.int8}
+# 8-bit blocks of 128 columns, kept whole by the TP split of dim 1 over 2 ranks
+INT8_SHAPES = [(32, 256), (24, 512), (9, 768)]
 
 
 @pytest.mark.parametrize("layout,world,dtype,options", [
     ("fsdp x tp", 4, torch.float32, None), ("one process", 1, torch.float32, None), ("fsdp", 3, torch.float32, None),
     ("fsdp x tp", 4, torch.bfloat16, None), ("fsdp x tp", 4, torch.float32, BF16_MOMENTUM),
-    ("one process", 1, torch.float32, BF16_MOMENTUM)])
+    ("one process", 1, torch.float32, BF16_MOMENTUM), ("fsdp x tp", 4, torch.float32, INT8_MOMENTUM),
+    ("fsdp x tp", 4, torch.bfloat16, INT8_MOMENTUM), ("one process", 1, torch.bfloat16, INT8_MOMENTUM),
+    ("fsdp", 3, torch.float32, INT8_MOMENTUM)])
 def test_normuon_checkpoint_loads_across_layouts_and_training_goes_on_bitwise(tmp_path, layout, world, dtype, options):
     """bf16 weights too: their row state stays fp32 through the load (torch's load casts state to
-    the parameter's dtype; dmuon puts it back uncast); and momentum kept in bf16 beside fp32 weights."""
+    the parameter's dtype; dmuon puts it back uncast); and momentum kept in bf16 beside fp32
+    weights, or in 8-bit blocks (int8 codes and fp32 scales, resharded as saved)."""
     path = str(tmp_path / "ckpt")
     saved = run_on_ranks(2, saved_then_continued, path, 2, 2, dtype, options)[0]
     for rank, loaded in enumerate(run_on_ranks(world, loaded_then_continued, path, layout, 2, 2, dtype, options)):
         for i, (got, want) in enumerate(zip(loaded["loaded_row_states"], saved["saved_row_states"])):
             assert got.dtype == torch.float32 and torch.equal(got, want), (rank, i)
+        kept = (options or {}).get("momentum_dtype", dtype)
         for i, (got, want) in enumerate(zip(loaded["loaded_momentum"], saved["saved_momentum"])):
-            assert got.dtype == want.dtype == (torch.bfloat16 if options else dtype), (rank, i)
-            assert torch.equal(got, want), (rank, i)
-            assert want.abs().sum() > 0  # a state worth carrying
+            assert [t.dtype for t in got] == [t.dtype for t in want] == [kept, torch.float32][:len(want)], (rank, i)
+            assert len(want) == (2 if kept == torch.int8 else 1)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (rank, i)
+            assert want[0].abs().sum() > 0  # a state worth carrying
         for i, (got, want) in enumerate(zip(loaded["params"], saved["params"])):
             assert torch.equal(got, want), f"rank {rank}: w{i} after the round trip differs"
 

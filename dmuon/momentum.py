@@ -1,0 +1,139 @@
+"""Muon's momentum buffers as they are kept: in the parameter's dtype, in a float dtype of their
+own (``momentum_dtype="bfloat16"`` or ``"float32"``), or in 8-bit blocks (``momentum_dtype="int8"``).
+
+8-bit blocks. Each row of a buffer (its last dim) is cut into blocks of :data:`BLOCK` columns,
+counted from column 0; a block keeps one fp32 scale, its largest magnitude / 127, and one int8
+code per element, ``round(value / scale)``. That is 1 + 4/BLOCK bytes per weight, where fp32
+momentum takes 4. A step decodes the buffer into fp32, computes the momentum there from the
+gradient, uses that value as it would use fp32 momentum, and stores it encoded again: the only
+rounding the 8-bit format adds is the store's, and it is the same wherever a block is stored,
+since a block is encoded from its own elements alone.
+
+Where the blocks lie. The codes (``momentum_buffer``) are shaped and placed as the parameter;
+the scales (``momentum_scale``) as the parameter with its last dim counted in blocks. Every
+split of another dim (FSDP2's dim 0, column-wise TP, expert stacks) hands each rank whole
+blocks, and a split of the last dim (row-wise TP) does where each rank's columns start at a
+multiple of BLOCK and torch's chunking of the scales gives each rank the scales of its own
+blocks; :func:`split_error` refuses a layout where it does not. ``torch.distributed.checkpoint``
+then reshards codes and scales as any other state, and a block's values survive bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+
+from dmuon.tensors import local
+
+BLOCK = 128  # columns per 8-bit block
+BLOCKWISE = "int8"  # the momentum_dtype of 8-bit blocks
+SCALE_KEY = "momentum_scale"
+_LEVELS = 127  # the largest code: symmetric, so that -x is coded as -code(x)
+
+
+def scale_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    """The scales' shape for a buffer of ``shape``: its last dim counted in blocks."""
+    return (*shape[:-1], math.ceil(shape[-1] / BLOCK))
+
+
+def encode(value: Tensor) -> tuple[Tensor, Tensor]:
+    """``value`` (any float dtype, last dim the columns) as int8 codes and fp32 block scales."""
+    value = value.float()
+    scales = _blocks(value.abs()).amax(-1) / _LEVELS
+    divisors = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block codes as zeros
+    codes = torch.round(value / _per_column(divisors, value.shape[-1])).clamp_(-_LEVELS, _LEVELS)
+    return codes.to(torch.int8), scales
+
+
+def decode(codes: Tensor, scales: Tensor) -> Tensor:
+    """The fp32 values int8 ``codes`` with block ``scales`` stand for."""
+    return codes.float() * _per_column(scales, codes.shape[-1])
+
+
+def _blocks(value: Tensor) -> Tensor:
+    """``value``'s last dim as (blocks, BLOCK), the last block padded with zeros."""
+    pad = -value.shape[-1] % BLOCK
+    return (F.pad(value, (0, pad)) if pad else value).unflatten(-1, (-1, BLOCK))
+
+
+def _per_column(scales: Tensor, columns: int) -> Tensor:
+    """Each block's scale repeated for each of its columns."""
+    return scales.repeat_interleave(BLOCK, -1)[..., :columns]
+
+
+def split_error(param: Tensor) -> str | None:
+    """Why ``param``'s layout cuts its 8-bit blocks between ranks, or None where every rank holds
+    whole blocks and, for each, its scales (see the module's docstring)."""
+    if not isinstance(param, DTensor):
+        return None
+    last = param.ndim - 1
+    splits = [(dim, p) for dim, p in enumerate(param.placements) if isinstance(p, Shard) and p.dim % param.ndim == last]
+    if not splits:
+        return None
+    if len(splits) > 1 or type(splits[0][1]) is not Shard:
+        return f"its last dim is split over {len(splits)} mesh dims {tuple(param.placements)}"
+    size, columns = param.device_mesh.size(splits[0][0]), param.shape[-1]
+    chunk, blocks_chunk = math.ceil(columns / size), math.ceil(math.ceil(columns / BLOCK) / size)
+    if chunk != blocks_chunk * BLOCK and size > 1 and columns > chunk:
+        return (f"its last dim of {columns} is split over {size} ranks at {chunk} columns each, where whole blocks "
+                f"of {BLOCK} would need {blocks_chunk * BLOCK}")
+    return None
+
+
+def zeros(param: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
+    """A zero momentum state for ``param`` kept in ``dtype`` (torch.int8: 8-bit blocks)."""
+    buffer = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+    if dtype != torch.int8:
+        return {"momentum_buffer": buffer}
+    return {"momentum_buffer": buffer, SCALE_KEY: _like_param(torch.zeros(scale_shape(local(param).shape),
+                                                                          device=param.device), param)}
+
+
+def _like_param(local_scales: Tensor, param: Tensor) -> Tensor:
+    """This rank's scales as a DTensor placed as ``param`` where it is one."""
+    if not isinstance(param, DTensor):
+        return local_scales
+    shape = scale_shape(param.shape)
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return DTensor.from_local(local_scales, param.device_mesh, param.placements, run_check=False, shape=shape,
+                              stride=stride)
+
+
+def converted(entry: dict[str, Tensor], param: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
+    """``entry``'s momentum kept in ``dtype`` instead (a group's ``momentum_dtype`` changed)."""
+    values = decode(local(entry["momentum_buffer"]), local(entry[SCALE_KEY])) if SCALE_KEY in entry \
+        else local(entry["momentum_buffer"])
+    state = zeros(param, dtype)
+    store(state, values)
+    return state
+
+
+def value(entry: dict[str, Tensor]) -> Tensor:
+    """This rank's momentum of ``entry`` as a step computes with it: the buffer itself (written
+    in place), or the 8-bit buffer decoded into a new fp32 tensor (stored back by :func:`store`)."""
+    if SCALE_KEY not in entry:
+        return local(entry["momentum_buffer"])
+    return decode(local(entry["momentum_buffer"]), local(entry[SCALE_KEY]))
+
+
+def store(entry: dict[str, Tensor], new: Tensor) -> None:
+    """Keep ``new`` as ``entry``'s momentum (encoded into 8-bit blocks where it is kept so); a
+    no-op for the buffer :func:`value` handed out, written in place."""
+    buffer = local(entry["momentum_buffer"])
+    if SCALE_KEY in entry:
+        codes, scales = encode(new)
+        buffer.copy_(codes)
+        local(entry[SCALE_KEY]).copy_(scales)
+    elif new is not buffer:
+        buffer.copy_(new)
+
+
+def state_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes of a momentum state for a parameter of ``shape`` kept in ``dtype``."""
+    if dtype == torch.int8:
+        return math.prod(shape) + 4 * math.prod(scale_shape(shape))
+    return math.prod(shape) * dtype.itemsize
