@@ -62,8 +62,8 @@ MEASUREMENTS = {
     "quality-vla": Measurement("Training quality on the embodied model, and its lr",
                                [["dmuon", "quality", "--workload", "vla", "--seeds", "3", "--json", "{out}"]]),
     "quality-family": Measurement("The Muon family on real text: NorMuon beside Muon and AdamW",
-                                  [["dmuon", "quality", "--optimizers", "adamw,dmuon,dmuon-normuon", "--seeds", "3",
-                                    "--json", "{out}"]]),
+                                  [["dmuon", "quality", "--optimizers", "adamw,torch-muon,dmuon,dmuon-normuon,dmuon-aol,"
+                                    "dmuon-bf16mom,dmuon-int8mom", "--seeds", "3", "--json", "{out}"]]),
 }
 
 
@@ -201,8 +201,10 @@ def quality_table(record: dict) -> str:
     target = result["settings"]["target_loss"]
     seeds = result["settings"].get("seeds", 1)
     loss = "final validation loss" + (f" (mean of {seeds} seeds; their range)" if seeds > 1 else "")
-    lines = [f"| optimizer | lrs tried | best lr | {loss} | steps to {target} | seconds to {target} |",
-             "|---|---|---:|---:|---:|---:|"]
+    costs = "state_bytes" in result["runs"][0]  # records since the optimizer's step time and state were kept
+    lines = [f"| optimizer | lrs tried | best lr | {loss} | steps to {target} | seconds to {target} |"
+             + (" optimizer step ms | state KiB |" if costs else ""),
+             "|---|---|---:|---:|---:|---:|" + ("---:|---:|" if costs else "")]
     for optimizer in dict.fromkeys(r["optimizer"] for r in result["runs"]):
         runs = [r for r in result["runs"] if r["optimizer"] == optimizer]
         best = next(r for r in runs if r["best"])
@@ -211,7 +213,8 @@ def quality_table(record: dict) -> str:
         finals = best.get("seed_final_val_losses") or []
         spread = f" ({min(finals):.4f}–{max(finals):.4f})" if len(finals) > 1 else ""
         lines.append(f"| {optimizer} | {tried} | {best['lr']:g} | {best['final_val_loss']:.4f}{spread} "
-                     f"| {steps or 'not reached'} | {'–' if seconds is None else f'{seconds:.1f}'} |")
+                     f"| {steps or 'not reached'} | {'–' if seconds is None else f'{seconds:.1f}'} |"
+                     + (f" {best['optimizer_step_ms']:.2f} | {best['state_bytes'] / 1024:,.0f} |" if costs else ""))
     return "\n".join(lines) + "\n\n" + sweep_table(result)
 
 
@@ -254,8 +257,11 @@ SECTIONS = {  # measurement → (what the table shows, how to read it)
                     "(`python benchmarks/fit_aol.py`); its rescaling reuses the first step's Gram product, so "
                     "its FLOPs are 4 steps'."),
     "quality-family": (quality_table, "The text task of \"Training quality on real text\": each optimizer's best "
-                       "of four peak learning rates by the mean over 3 seeds, `update_rule=\"normuon\"` against "
-                       "dmuon's Muon and AdamW."),
+                       "of four peak learning rates by the mean over 3 seeds — `update_rule=\"normuon\"`, "
+                       "`ns_coefficients=\"aol\"` (4 Newton–Schulz steps), `momentum_dtype` bfloat16 and int8 (8-bit "
+                       "blocks) against dmuon's Muon, torch.optim.Muon and AdamW. Optimizer step: its mean time per "
+                       "step at the best lr, one thread (the model is small: the step's fixed costs weigh more than "
+                       "at scale); state: the optimizers' state tensors."),
     "quality-vla": (quality_table, "The embodied model `vla-tiny` (frozen vision tower, language model, action "
                     "expert) on synthetic episodes, validated on episodes no run trains on (prompt cross-entropy + "
                     "action MSE): each optimizer's best of five peak learning rates by the mean over 3 seeds, "

@@ -18,6 +18,8 @@ Every configuration trains the same model from the same weights on the same batc
     ownerz3-dmuon    the same, re-broadcasting the matrices in backward (less memory)
     fsdp-dmuon-aol   fsdp-dmuon with ns_coefficients="aol" (AOL rescaling, 4 steps), to set beside
                      Polar Express at 5 in the same run (ddp-dmuon-aol likewise)
+    fsdp-dmuon-bf16mom  fsdp-dmuon with momentum_dtype=torch.bfloat16 (``-int8mom``: 8-bit
+                     blocks; ddp-dmuon-bf16mom and ddp-dmuon-int8mom likewise)
 
 The default run is the first six (the verdict's: dmuon against AdamW and vanilla Muon under
 each data-parallel mode); ``--device cuda`` adds ``ddp-dmuon-atstep`` and ``fsdp-dmuon-atstep``
@@ -108,6 +110,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dmuon.orthogonalization import NAMED_COEFFICIENTS, native_bf16, orthogonalize, orthogonalize_column_blocks
 from dmuon.owner import OwnerSharding, shard_by_owner
+from dmuon.tensors import local
 from dmuon.tools.cli import (
     UsageError,
     check_fits,
@@ -146,7 +149,14 @@ BF16_WIRE_CONFIGS = ("ddp-dmuon-bf16wire", "fsdp-dmuon-bf16wire")
 # in backward (Z3: less memory, the same step as Z2's within noise)
 MORE_CONFIGS = ("ddp-dmuon-early", "fsdp-dmuon-early", "ownerz2-dmuon-early", "ddp-dmuon-atstep",
                 "fsdp-dmuon-atstep", "ownerz2-dmuon-atstep", "ownerz2-dmuon", "ownerz3-dmuon", "ddp-dmuon-aol",
-                "fsdp-dmuon-aol")
+                "fsdp-dmuon-aol", "ddp-dmuon-bf16mom", "fsdp-dmuon-bf16mom", "ddp-dmuon-int8mom",
+                "fsdp-dmuon-int8mom")
+# a configuration's name suffix: its dmuon.Muon options beside the run's
+VARIANTS = {"bf16wire": {"comm_dtype": torch.bfloat16}, "early": {"early_start": True},
+            "atstep": {"early_start": False}, "aol": {"ns_coefficients": "aol"},
+            "bf16mom": {"momentum_dtype": torch.bfloat16}, "int8mom": {"momentum_dtype": torch.int8}}
+# the state keys of Muon's matrices (momentum, 8-bit momentum's scales, NorMuon's row state)
+MUON_STATE_KEYS = ("momentum_buffer", "momentum_scale", "row_second_moment")
 # What each data-parallel mode is compared with (AdamW and vanilla Muon of that mode).
 BASELINE_MODE = {"ddp": "ddp", "fsdp": "fsdp", "ownerz2": "fsdp", "ownerz3": "fsdp"}
 
@@ -189,6 +199,8 @@ class BenchResult:
     round_step_ms: tuple[float, ...] = ()
     # dmuon.Muon only: per round, the busiest rank's Newton–Schulz calls of a step timed alone
     round_ns_alone_ms: tuple[float, ...] = ()
+    state_bytes: int = 0  # the optimizers' state on the rank holding the most (counted: its tensors' bytes)
+    muon_state_bytes: int = 0  # the part of it Muon's matrices keep (MUON_STATE_KEYS)
 
     def rounds(self, what: str) -> tuple[float, ...]:
         values = getattr(self, f"round_{what}")
@@ -337,6 +349,10 @@ def run_warnings(results: list[BenchResult], load: Load | None = None) -> list[s
     return warnings
 
 
+def _state_cell(r: BenchResult) -> str:
+    return f"{r.state_bytes / 2**20:,.1f} ({r.muon_state_bytes / 2**20:,.1f})" if r.state_bytes else "-"
+
+
 def _mib(value: float | None) -> str:
     return f"{value / 2**20:,.2f}" if value is not None else "-"
 
@@ -386,12 +402,10 @@ class _Trainer:
         root = sum(p.numel() * p.element_size() for p in self.model.parameters()) - layers
         frozen = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
         self.train_bytes = training_traffic(parallel, world, root, layers, owned, frozen)  # the same every step
-        variant = next((v for v in ("bf16wire", "early", "atstep", "aol") if optimizer.endswith(f"-{v}")), None)
+        variant = next((v for v in VARIANTS if optimizer.endswith(f"-{v}")), None)
         optimizer = optimizer.removesuffix(f"-{variant}")
-        comm_dtype = torch.bfloat16 if variant == "bf16wire" else COMM_DTYPES[args.comm_dtype]
-        early_start = {"early": True, "atstep": False}.get(variant)
-        options = {"ns_coefficients": "aol" if variant == "aol" else args.ns_coefficients, "comm_dtype": comm_dtype,
-                   "early_start": early_start} if optimizer == "dmuon" else {}
+        options = {"ns_coefficients": args.ns_coefficients, "comm_dtype": COMM_DTYPES[args.comm_dtype],
+                   "early_start": None, **VARIANTS.get(variant, {})} if optimizer == "dmuon" else {}
         self.optimizers = _factory(optimizer)(self.model, args.lr, args.weight_decay, **options)
         if optimizer == "dmuon" and parallel == "ddp":
             self.optimizers[0].register_ddp_comm_hook(self.wrapped)  # early start under DDP (on CUDA by default)
@@ -427,6 +441,12 @@ class _Trainer:
         sent = stats.bytes_sent if stats is not None else (
             0.0 if optimizer == "adamw" or (optimizer == "torch-muon" and parallel == "ddp") else None)
         return sent, self.train_bytes
+
+    def state_bytes(self) -> tuple[int, int]:
+        """The bytes of this rank's optimizer state: all of it, and Muon's matrices' part."""
+        sizes = [(key, local(t).numel() * t.element_size()) for opt in self.optimizers for entry in opt.state.values()
+                 for key, t in entry.items() if isinstance(t, torch.Tensor)]
+        return sum(size for _, size in sizes), sum(size for key, size in sizes if key in MUON_STATE_KEYS)
 
     def ns_alone_s(self) -> float | None:
         """dmuon.Muon's Newton–Schulz calls of the last step on this rank, timed alone (None for
@@ -598,10 +618,13 @@ def _timed(names: list[str], args: argparse.Namespace, rank: int, world: int, de
     averaged = torch.tensor([[opt or 0.0, train] for opt, train in (sent[n] for n in names)], dtype=torch.float64,
                             device=device)
     dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
+    states = torch.tensor([trainers[n].state_bytes() for n in names], dtype=torch.float64, device=device)
+    dist.all_reduce(states, op=dist.ReduceOp.MAX)
     results = summarize(records, world)
-    for name, (opt, train) in zip(names, averaged.tolist()):
+    for name, (opt, train), (state, muon_state) in zip(names, averaged.tolist(), states.tolist()):
         opt_bytes = opt if sent[name][0] is not None else None
-        results[name] = dataclasses.replace(results[name], opt_bytes_per_step=opt_bytes, train_bytes_per_step=train)
+        results[name] = dataclasses.replace(results[name], opt_bytes_per_step=opt_bytes, train_bytes_per_step=train,
+                                            state_bytes=int(state), muon_state_bytes=int(muon_state))
     return {"results": results, "rounds_start": measured_start}
 
 
@@ -712,7 +735,7 @@ def format_table(results: list[BenchResult], load: Load | None = None, about: st
     comparisons = compare(results)
     lines = [*verdict(results, about), *your_job, ""]
     columns = [("config", 20), ("step ms", 9), ("step/AdamW", 11), ("overhead", 8), ("opt step ms", 11),
-               ("opt/vanilla", 11), ("mem/AdamW", 9)]
+               ("opt/vanilla", 11), ("mem/AdamW", 9), ("state (Muon)", 13)]
 
     def row(cells: list[str], widths: list[tuple[str, int]]) -> str:
         return " ".join(f"{cell:<{w}}" if i == 0 else f"{cell:>{w}}"
@@ -724,13 +747,15 @@ def format_table(results: list[BenchResult], load: Load | None = None, about: st
         step = c["step_vs_adamw"]
         lines.append(row([r.config, f"{r.step_ms:.1f}", _cell(step),
                           f"{step.median - 1:+.1%}" if isinstance(step, Ratio) else "-", f"{r.opt_step_ms:.1f}",
-                          _cell(c["opt_step_vs_vanilla"]), f"{c['mem_vs_adamw']:.2f}" if c["mem_vs_adamw"] else "-"],
-                         columns))
+                          _cell(c["opt_step_vs_vanilla"]), f"{c['mem_vs_adamw']:.2f}" if c["mem_vs_adamw"] else "-",
+                          _state_cell(r)], columns))
     rounds = max(len(r.rounds("step_ms")) for r in results) if results else 0
     lines += textwrap.wrap(f"times: median over the measured steps of the slowest rank; ratios: median of {rounds} "
                            "per-round ratio(s) of the rounds' least steps, ± the 95 % interval of their geometric "
                            "mean, the configurations stepped in turn in the same ranks; mem: peak, each "
-                           "configuration alone in fresh ranks", 100)
+                           "configuration alone in fresh ranks; state: MiB of the optimizers' state tensors on the "
+                           "rank holding the most (Muon: the part kept for Muon's matrices: momentum, 8-bit "
+                           "momentum's scales, NorMuon's rows)", 100)
     if verbose:
         detail = [("config", 20), ("opt MiB", 8), ("train MiB", 9), ("peak MiB", 9), ("loss", 6),
                   ("step/AdamW range", 17), ("opt/vanilla range", 17), ("NS/opt step", 11)]

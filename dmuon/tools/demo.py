@@ -89,12 +89,15 @@ CONFIGS: dict[str, OptimizerFactory] = {
     "torch-muon": torch_muon,
     "dmuon": dmuon_muon,
     "dmuon-normuon": partial(dmuon_muon, update_rule="normuon"),
+    "dmuon-aol": partial(dmuon_muon, ns_coefficients="aol"),
+    "dmuon-bf16mom": partial(dmuon_muon, momentum_dtype=torch.bfloat16),
+    "dmuon-int8mom": partial(dmuon_muon, momentum_dtype=torch.int8),
 }
 DEFAULT_CONFIGS = ("adamw", "torch-muon", "dmuon")  # what runs unless --optimizers names others
 
 
 # the configurations that train with Muon, at --muon-lr-multiple times --lr
-MUON_CONFIGS = ("torch-muon", "dmuon", "dmuon-normuon")
+MUON_CONFIGS = ("torch-muon", "dmuon", "dmuon-normuon", "dmuon-aol", "dmuon-bf16mom", "dmuon-int8mom")
 DEFAULT_MUON_LR_MULTIPLE = 2.0  # docs/migration.md's lr rule: start at 2x AdamW's, then sweep 1-8x
 
 

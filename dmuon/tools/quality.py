@@ -84,6 +84,9 @@ DEFAULT_LRS: dict[str, dict[str, tuple[float, ...]]] = {
         "torch-muon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
         "dmuon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
         "dmuon-normuon": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
+        "dmuon-aol": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
+        "dmuon-bf16mom": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
+        "dmuon-int8mom": (4e-3, 8e-3, 1.6e-2, 3.2e-2),
     },
     "vla": {name: (2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2) for name in CONFIGS},
 }
@@ -158,6 +161,8 @@ class Run:
     curve: tuple[tuple[int, float, float], ...]  # (step, training seconds so far, validation loss)
     seeds: tuple[int, ...] = (0,)
     finals: tuple[float, ...] = ()  # each seed's final validation loss, over several seeds
+    optimizer_seconds: float = 0.0  # of the training seconds, the optimizers' steps (mean over seeds)
+    state_bytes: int = 0  # the optimizers' state tensors at the end
 
     @property
     def final_val_loss(self) -> float | None:
@@ -192,24 +197,33 @@ def train_run(
     optimizers = make_optimizer(model, lr, weight_decay)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, steps)) for o in optimizers]
     curve = [(0, 0.0, evaluate(model, val, task.loss))]
-    seconds = 0.0
+    seconds = optimizer_seconds = 0.0
     for step in range(1, steps + 1):
         batch = batch_of(step - 1)
         start = time.perf_counter()
         model.zero_grad(set_to_none=True)
         loss = task.loss(model, batch)
         loss.backward()
+        stepping = time.perf_counter()
         for opt, scheduler in zip(optimizers, schedulers):
             opt.step()
             scheduler.step()
-        seconds += time.perf_counter() - start
+        now = time.perf_counter()
+        seconds, optimizer_seconds = seconds + now - start, optimizer_seconds + now - stepping
         if not math.isfinite(loss.item()):
             return Run(optimizer, lr, step, True, tuple(curve), (seed,))
         if step % eval_every == 0 or step == steps:
             curve.append((step, seconds, evaluate(model, val, task.loss)))
             if progress is not None:
                 progress(step, curve[-1][2])
-    return Run(optimizer, lr, steps, False, tuple(curve), (seed,))
+    return Run(optimizer, lr, steps, False, tuple(curve), (seed,), optimizer_seconds=optimizer_seconds,
+               state_bytes=state_bytes(optimizers))
+
+
+def state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """The bytes of the optimizers' state tensors."""
+    return sum(t.numel() * t.element_size() for opt in optimizers for entry in opt.state.values()
+               for t in entry.values() if isinstance(t, torch.Tensor))
 
 
 def mean_over_seeds(runs: Sequence[Run]) -> list[Run]:
@@ -228,7 +242,8 @@ def mean_over_seeds(runs: Sequence[Run]) -> list[Run]:
                       for i in range(length))
         finals = () if diverged else tuple(r.curve[-1][2] for r in group)
         out.append(Run(optimizer, lr, min(r.steps for r in group), diverged, curve,
-                       tuple(s for r in group for s in r.seeds), finals))
+                       tuple(s for r in group for s in r.seeds), finals,
+                       sum(r.optimizer_seconds for r in group) / len(group), group[0].state_bytes))
     return out
 
 
@@ -338,6 +353,7 @@ def json_record(runs: Sequence[Run], target: float, settings: dict, corpus: Corp
             "best": best[run.optimizer] is run, "final_val_loss": run.final_val_loss,
             "steps_to_target": hit and hit[0], "seconds_to_target": hit and hit[1],
             "seeds": list(run.seeds), "seed_final_val_losses": list(run.finals),
+            "optimizer_step_ms": run.optimizer_seconds / run.steps * 1e3, "state_bytes": run.state_bytes,
             "curve": [{"step": s, "seconds": t, "val_loss": v} for s, t, v in run.curve],
         }
 
@@ -421,7 +437,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizers", type=name_list(CONFIGS), default=list(DEFAULT_CONFIGS),
                         help="comma-separated optimizers to compare, in order: adamw (AdamW on everything), "
                              "torch-muon (torch.optim.Muon on the block matrices + AdamW on the rest), dmuon "
-                             "(dmuon.Muon), dmuon-normuon (dmuon.Muon with update_rule='normuon') "
+                             "(dmuon.Muon), dmuon-normuon (dmuon.Muon with update_rule='normuon'), dmuon-aol "
+                             "(ns_coefficients='aol'), dmuon-bf16mom and dmuon-int8mom (momentum_dtype bfloat16, "
+                             "int8: 8-bit blocks) "
                              "(default: %(default)s)")
     for name in CONFIGS:
         lrs = {w: ",".join(f"{lr:g}" for lr in DEFAULT_LRS[w][name]) for w in WORKLOADS}

@@ -48,7 +48,7 @@ def test_tiny_run_writes_json(tmp_path):
     assert all(r["world_size"] == 2 and r["step_ms"] > 0 and r["peak_mem_bytes"] > 0 for r in records)
     assert set(records[0]) == {"config", "world_size", "opt_step_ms", "step_ms", "opt_bytes_per_step",
                                "train_bytes_per_step",
-                               "peak_mem_bytes", "final_loss",
+                               "peak_mem_bytes", "final_loss", "state_bytes", "muon_state_bytes",
                                # added: per-round times, ratios with their range, the run's load and warnings
                                "round_opt_step_ms", "round_step_ms", "opt_step_vs_vanilla",
                                "opt_step_vs_vanilla_min", "opt_step_vs_vanilla_max", "step_vs_adamw",
@@ -186,3 +186,19 @@ def test_the_default_configurations_depend_on_the_device(monkeypatch):
     assert parsed("--device", "cuda", "--precision", "fp32").precision == "fp32"
     assert parsed("--device", "cuda", "--configs", "fsdp-adamw,fsdp-dmuon-early").configs == [
         "fsdp-adamw", "fsdp-dmuon-early"]
+
+
+def test_small_momentum_configurations_count_their_state(tmp_path):
+    """``-bf16mom`` and ``-int8mom`` beside ``fsdp-dmuon``: the state column counts each rank's
+    optimizer state, and Muon's part of it is half in bf16 and near a quarter in 8-bit blocks."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--memory-steps", "0",
+                 "--max-seconds", "0", "--configs", "fsdp-dmuon,fsdp-dmuon-bf16mom,fsdp-dmuon-int8mom",
+                 "--json", str(out)]) == 0
+    fp32, bf16, int8 = json.loads(out.read_text())
+    assert fp32["muon_state_bytes"] > 0 and fp32["state_bytes"] > fp32["muon_state_bytes"]  # AdamW's part too
+    assert bf16["muon_state_bytes"] * 2 == fp32["muon_state_bytes"]
+    # 1 byte and a 4-byte scale per block where fp32 takes 4 per weight; the tiny model's rows are
+    # shorter than a block of 128, so it keeps more scales than a real model's
+    assert 0.25 < int8["muon_state_bytes"] / fp32["muon_state_bytes"] < 0.3
+    assert fp32["state_bytes"] - fp32["muon_state_bytes"] == int8["state_bytes"] - int8["muon_state_bytes"]
