@@ -252,6 +252,26 @@ def row_state_zeros(param: Tensor, shape: tuple[int, ...], stack: bool) -> Tenso
     return distribute_tensor(zeros, param.device_mesh, row_state_placements(param, stack), src_data_rank=None)
 
 
+def last_dim_splits(param: Tensor) -> list[tuple[int, bool]]:
+    """The mesh dims that split ``param``'s last dim: each one's size, and whether it is a plain
+    ``Shard`` (torch's even chunks; not a ``_StridedShard``)."""
+    if not isinstance(param, DTensor):
+        return []
+    last = param.ndim - 1
+    return [(param.device_mesh.size(d), type(p) is Shard) for d, p in enumerate(param.placements)
+            if isinstance(p, Shard) and p.dim % param.ndim == last]
+
+
+def placed_like(piece: Tensor, param: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """This rank's ``piece`` of a tensor of global ``shape`` (contiguous), placed as ``param`` is:
+    a DTensor on its mesh with its placements, or ``piece`` itself beside a plain tensor. The
+    caller has made ``piece`` what those placements give this rank."""
+    if not isinstance(param, DTensor):
+        return piece
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False, shape=shape, stride=stride)
+
+
 def _group_ranks(process_group: dist.ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(process_group))
 

@@ -25,8 +25,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
 
+from dmuon.layout import last_dim_splits, placed_like
 from dmuon.tensors import local
 
 BLOCK = 128  # columns per 8-bit block
@@ -68,17 +68,15 @@ def _per_column(scales: Tensor, columns: int) -> Tensor:
 def split_error(param: Tensor) -> str | None:
     """Why ``param``'s layout cuts its 8-bit blocks between ranks, or None where every rank holds
     whole blocks and, for each, its scales (see the module's docstring)."""
-    if not isinstance(param, DTensor):
-        return None
-    last = param.ndim - 1
-    splits = [(dim, p) for dim, p in enumerate(param.placements) if isinstance(p, Shard) and p.dim % param.ndim == last]
+    splits = last_dim_splits(param)
     if not splits:
         return None
-    if len(splits) > 1 or type(splits[0][1]) is not Shard:
-        return f"its last dim is split over {len(splits)} mesh dims {tuple(param.placements)}"
-    size, columns = param.device_mesh.size(splits[0][0]), param.shape[-1]
+    if len(splits) > 1 or not splits[0][1]:
+        return f"its last dim is split {'unevenly' if len(splits) == 1 else f'over {len(splits)} mesh dims'}"
+    size, columns = splits[0][0], param.shape[-1]
+    # torch cuts the columns into chunks of ceil(columns / size), and the scales' blocks likewise
     chunk, blocks_chunk = math.ceil(columns / size), math.ceil(math.ceil(columns / BLOCK) / size)
-    if chunk != blocks_chunk * BLOCK and size > 1 and columns > chunk:
+    if size > 1 and chunk != blocks_chunk * BLOCK:
         return (f"its last dim of {columns} is split over {size} ranks at {chunk} columns each, where whole blocks "
                 f"of {BLOCK} would need {blocks_chunk * BLOCK}")
     return None
@@ -89,18 +87,8 @@ def zeros(param: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
     buffer = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
     if dtype != torch.int8:
         return {"momentum_buffer": buffer}
-    return {"momentum_buffer": buffer, SCALE_KEY: _like_param(torch.zeros(scale_shape(local(param).shape),
-                                                                          device=param.device), param)}
-
-
-def _like_param(local_scales: Tensor, param: Tensor) -> Tensor:
-    """This rank's scales as a DTensor placed as ``param`` where it is one."""
-    if not isinstance(param, DTensor):
-        return local_scales
-    shape = scale_shape(param.shape)
-    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-    return DTensor.from_local(local_scales, param.device_mesh, param.placements, run_check=False, shape=shape,
-                              stride=stride)
+    scales = torch.zeros(scale_shape(local(param).shape), device=param.device)  # this rank's blocks' (split_error)
+    return {"momentum_buffer": buffer, SCALE_KEY: placed_like(scales, param, scale_shape(param.shape))}
 
 
 def converted(entry: dict[str, Tensor], param: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:

@@ -48,9 +48,10 @@ class Muon(torch.optim.Optimizer):
         weight_decay: decoupled weight decay, Muon's and, without ``adamw_weight_decay``, AdamW's.
         momentum: μ, in [0, 1).
         nesterov: Newton–Schulz input ``G + μ·(B − G)`` instead of B.
-        ns_coefficients: "polar_express", "keller", "you", "aol", one (a, b, c), or a sequence of triples.
+        ns_coefficients: "polar_express", "keller", "you", "aol", "deepseek_v4", one (a, b, c), or a sequence
+            of triples.
         eps: added to ‖M‖_F before normalizing (> 0).
-        ns_steps: Newton–Schulz steps, 1–99; None: the recipe's (5; 4 for "aol").
+        ns_steps: Newton–Schulz steps, 1–99; None: the recipe's (5; 4 for "aol", 10 for "deepseek_v4").
         adjust_lr_fn: the per-matrix lr factor: "match_rms_adamw" (0.2·√max(m, n)), "original"
             or None (√max(1, m/n)), "spectral_unclamped" (√(m/n)).
         use_addmm: ``torch.optim.Muon``'s switch, accepted (a bool) and inert.

@@ -87,7 +87,14 @@ AOL_RAW: tuple[Coefficients, ...] = (
 )
 AOL_STEPS = 4
 
-NAMED_COEFFICIENTS = ("polar_express", "keller", "you", "aol")
+# DeepSeek-V4's schedule (ns_coefficients="deepseek_v4"): Keller's quintic for fast growth of the
+# small singular values, then two steps of a quintic with 1 as a fixed point of zero slope
+# (p(1) = 1, p'(1) = 0), which pull the values Keller's leaves in about [0.7, 1.2] to 1. 8 + 2
+# steps unless ns_steps says otherwise; the last two always stabilize.
+STABILIZING: Coefficients = (2.0, -1.5, 0.5)
+DEEPSEEK_V4_STEPS = 10
+
+NAMED_COEFFICIENTS = ("polar_express", "keller", "you", "aol", "deepseek_v4")
 
 # Gram NS restart steps (0-based: restart *before* that step) measured to keep fp16 Gram NS
 # stable for a named schedule; the best position depends on the schedule (docs/numerics.md §Gram NS and restarts).
@@ -122,8 +129,11 @@ def polar_express_schedule(steps: int, safety: float = POLAR_EXPRESS_SAFETY,
 
 
 def default_steps(coefficients: CoefficientsSpec) -> int:
-    """The steps a recipe takes where ``ns_steps`` is None: 4 for "aol", else 5 (torch.optim.Muon's)."""
-    return AOL_STEPS if coefficients == "aol" else 5
+    """The steps a recipe takes where ``ns_steps`` is None: 4 for "aol", 10 for "deepseek_v4",
+    else 5 (torch.optim.Muon's)."""
+    if isinstance(coefficients, str):
+        return {"aol": AOL_STEPS, "deepseek_v4": DEEPSEEK_V4_STEPS}.get(coefficients, 5)
+    return 5
 
 
 def _validate_steps(steps: int) -> None:
@@ -152,6 +162,11 @@ def coefficient_schedule(coefficients: CoefficientsSpec, steps: int | None) -> t
         if coefficients in ("polar_express", "aol"):
             raw = POLAR_EXPRESS_RAW if coefficients == "polar_express" else AOL_RAW
             return tuple(polar_express_schedule(steps, raw=raw))
+        if coefficients == "deepseek_v4":
+            if steps < 3:
+                raise ValueError(f"Invalid ns_steps={steps} for ns_coefficients='deepseek_v4'. Must be >= 3: its last "
+                                 "two steps stabilize what Keller's steps before them reach.")
+            return (*KELLER * (steps - 2), STABILIZING, STABILIZING)
         table = {"keller": KELLER, "you": YOU}.get(coefficients)
         if table is None:
             raise ValueError(
@@ -724,10 +739,12 @@ def newton_schulz(
 
     Args:
         G: input; any floating dtype. The result has G's shape and dtype.
-        steps: number of polynomial steps T (1–99); None: the recipe's (5; 4 for "aol").
+        steps: number of polynomial steps T (1–99); None: the recipe's (5; 4 for "aol", 10
+            for "deepseek_v4").
         coefficients: "polar_express" (default, safety factor 1.05), "keller", "you", "aol"
-            (AOL rescaling, then a schedule fitted to it), one (a, b, c), or a sequence of
-            triples (the last repeats).
+            (AOL rescaling, then a schedule fitted to it), "deepseek_v4" (Keller's quintic,
+            then two stabilizing steps), one (a, b, c), or a sequence of triples (the last
+            repeats).
         method: "standard", "gram", or "auto" (Gram NS for aspect ratios from
             GRAM_MIN_ASPECT on, when the compute dtype allows it).
         dtype: compute dtype; default from :func:`default_dtype`. Normalization is always

@@ -12,7 +12,7 @@ where p is the composed coefficient schedule. Exit status 1 if the worst relativ
 ``--bound``.
 
 ``--polar-error`` runs each recipe of :data:`RECIPES` (Polar Express at 5 and 4 steps, AOL at 4,
-Keller's at 5) on Gaussian and ill-conditioned matrices of the bench preset's shapes and on the
+Keller's at 5, DeepSeek-V4's 8 + 2) on Gaussian and ill-conditioned matrices of the bench preset's shapes and on the
 bench model's own gradients, and reports ‖NS(G) − U·Vᵀ‖_F / ‖U·Vᵀ‖_F (over G's numerical rank)
 per kind of matrix, beside the recipe's FLOPs for a 512×1536 matrix.
 """
@@ -30,7 +30,7 @@ from dmuon.orthogonalization import coefficient_schedule, newton_schulz, newton_
 F64 = torch.float64
 SHAPES = ((512, 2048), (2048, 512), (1024, 1024), (256, 4096))
 BENCH_SHAPES = ((512, 512), (256, 512), (1536, 512), (512, 1536))  # the bench preset's attention and MLP
-RECIPES = (("polar_express", 5), ("polar_express", 4), ("aol", 4), ("keller", 5))
+RECIPES = (("polar_express", 5), ("polar_express", 4), ("aol", 4), ("keller", 5), ("deepseek_v4", 10))
 # singular values below this fraction of the largest count as zero: U·Vᵀ has no direction there
 RANK_TOLERANCE = 1e-7
 

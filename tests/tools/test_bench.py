@@ -142,7 +142,7 @@ def test_ns_accuracy_polar_error_table(tmp_path):
     assert ns_accuracy(["--polar-error", "--device", "cpu", "--dtype", "float32", "--shapes", "64x192,96x96",
                         "--no-gradients", "--json", str(out)]) == 0
     rows = {(r["recipe"], r["steps"]): r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {("polar_express", 5), ("polar_express", 4), ("aol", 4), ("keller", 5)}
+    assert set(rows) == {("polar_express", 5), ("polar_express", 4), ("aol", 4), ("keller", 5), ("deepseek_v4", 10)}
     assert rows["aol", 4]["flops"] == rows["polar_express", 4]["flops"] == 0.8 * rows["polar_express", 5]["flops"]
     assert rows["aol", 4]["mean"]["gaussian"] < rows["polar_express", 4]["mean"]["gaussian"]
     assert set(rows["aol", 4]["mean"]) == {"gaussian", "ill-conditioned"}

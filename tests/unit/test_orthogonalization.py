@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+import dmuon
 from dmuon import orthogonalization
 from dmuon.orthogonalization import (
     NSConfig,
@@ -341,3 +342,35 @@ def test_orthogonalize_with_explicit_config_matches_newton_schulz():
     G = random_matrix((16, 48))
     config = NSConfig(coefficient_schedule("keller", 5), "standard", F64)
     assert torch.equal(orthogonalize(G, config), newton_schulz(G, coefficients="keller", method="standard", dtype=F64))
+
+
+def test_deepseek_v4_is_kellers_quintic_then_two_stabilizing_steps():
+    """``ns_coefficients="deepseek_v4"``: 8 + 2 steps unless ``ns_steps`` says otherwise (the last two
+    always stabilize, so at least 3); the stabilizing quintic keeps 1 fixed with zero slope, and
+    the schedule ends far closer to the polar factor than Polar Express at 5 on a Gaussian matrix."""
+    from dmuon.orthogonalization import KELLER, STABILIZING, coefficient_schedule
+
+    assert coefficient_schedule("deepseek_v4", None) == (*KELLER * 8, STABILIZING, STABILIZING)
+    assert coefficient_schedule("deepseek_v4", 5) == (*KELLER * 3, STABILIZING, STABILIZING)
+    with pytest.raises(ValueError, match=r"Invalid ns_steps=2 for ns_coefficients='deepseek_v4'\. Must be >= 3"):
+        coefficient_schedule("deepseek_v4", 2)
+    a, b, c = STABILIZING
+    assert a + b + c == 1 and a + 3 * b + 5 * c == 0  # p(1) = 1, p'(1) = 0
+    G = torch.randn(128, 384, generator=torch.Generator().manual_seed(0))
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+
+    def error(out: torch.Tensor) -> float:
+        return ((out.double() - U @ Vh).norm() / (U @ Vh).norm()).item()
+
+    deepseek = error(dmuon.newton_schulz(G, coefficients="deepseek_v4", dtype=torch.float32))
+    assert deepseek < 1e-3 < error(dmuon.newton_schulz(G, dtype=torch.float32))
+
+
+def test_ns_steps_and_coefficients_per_group():
+    """Late layers may take more steps: each group's recipe runs on its own matrices."""
+    w, v = torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(8, 16))
+    opt = dmuon.Muon([{"params": [w], "algorithm": "muon", "ns_coefficients": "deepseek_v4", "ns_steps": 6},
+                      {"params": [v], "algorithm": "muon", "ns_steps": 7}], ns_dtype=torch.float32)
+    w.grad, v.grad = torch.randn(8, 16), torch.randn(8, 16)
+    opt.step()
+    assert sorted(c.steps for _, _, c, _ in opt.last_step_stats.ns_calls) == [6, 7]
