@@ -239,6 +239,8 @@ class Workload:
     tp: int = 1  # tensor-parallel ranks (torchtitan's plan: COLUMN_WISE, the rest row-wise)
     pp: int = 1  # pipeline stages, each of world_size / pp ranks: FSDP2 over its dp × TP over its tp
     ep: int = 1  # expert-parallel ranks: each stage's experts on an (ep, expert-FSDP) mesh of its ranks
+    momentum_dtype: str = "float32"  # dmuon.Muon's momentum_dtype for fp32 weights ("int8": 8-bit blocks)
+    update_rule: str = "muon"  # "normuon" keeps 4 bytes of row state per row, all-reduced every step
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -247,6 +249,10 @@ class Workload:
         if self.world_size < 1 or self.tokens_per_rank < 1 or self.seq_len < 1:
             raise ValueError(f"Invalid workload: world_size={self.world_size}, tokens_per_rank="
                              f"{self.tokens_per_rank}, seq_len={self.seq_len}; all must be >= 1.")
+        if self.momentum_dtype not in ("float32", "bfloat16", "int8"):
+            raise ValueError(f"Invalid momentum_dtype={self.momentum_dtype!r}. Must be float32, bfloat16 or int8.")
+        if self.update_rule not in ("muon", "normuon"):
+            raise ValueError(f"Invalid update_rule={self.update_rule!r}. Must be muon or normuon.")
         if not 0 < self.elementwise_efficiency <= 1:
             raise ValueError(f"Invalid elementwise_efficiency={self.elementwise_efficiency!r}. Must be in (0, 1].")
         if self.model_flops_utilization is None or not 0 < self.model_flops_utilization <= 1:

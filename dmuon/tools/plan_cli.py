@@ -74,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dmuon.Muon's bucket_bytes (default: %(default)s)")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch threads per rank (cpu) (default: %(default)s)")
+    parser.add_argument("--momentum-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
+                        help="dmuon.Muon's momentum_dtype (int8: 8-bit blocks), for the optimizer state "
+                             "(default: %(default)s)")
+    parser.add_argument("--update-rule", choices=("muon", "normuon"), default="muon",
+                        help="dmuon.Muon's update_rule: normuon adds its row state and that state's all-reduce "
+                             "(default: %(default)s)")
     parser.add_argument("--no-split", action="store_true",
                         help="keep every matrix whole on one owner (default: the planner may split large "
                              "matrices over gangs of ranks, as dmuon.Muon does)")
@@ -249,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
         mfu, efficiency = measure_cpu_rank(config, tokens // args.world_size, args.seq_len, profile, args.mfu)
     workload = Workload(config, args.world_size, args.mode, profile, tokens // args.world_size, args.seq_len,
                         mfu, efficiency, bucket_bytes=args.bucket_bytes, split=not args.no_split,
-                        tp=args.tp, pp=args.pp, ep=args.ep)
+                        tp=args.tp, pp=args.pp, ep=args.ep, momentum_dtype=args.momentum_dtype,
+                        update_rule=args.update_rule)
     prediction = predict(workload, args.model)
     whole = predict(replace(workload, split=False), args.model) if prediction.split_matrices else None
     units = muon_units(config)

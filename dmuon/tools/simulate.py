@@ -67,6 +67,7 @@ from dmuon.tools.costmodel import (
     local_params,
     memory_seconds,
     muon_params,
+    muon_units,
     normalize_bytes,
     ns_prep_bytes,
     ns_seconds,
@@ -489,13 +490,34 @@ def _flops_per_rank(stage: StagePlan, workload: Workload) -> Tensor:
     return flops
 
 
+# bytes of momentum state per Muon weight, by momentum_dtype (fp32 weights): 8-bit blocks keep
+# an fp32 scale per 128 weights of a row
+MOMENTUM_STATE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1 + 4 / 128}
+
+
 def optimizer_state_bytes(workload: Workload) -> tuple[float, float]:
-    """Per rank, the optimizer state of (dmuon, AdamW): dmuon keeps one fp32 momentum per Muon
-    element and AdamW's two moments for the rest; AdamW two moments for every trained element."""
+    """Per rank, the optimizer state of (dmuon, AdamW): dmuon keeps one momentum per Muon element
+    (in its ``momentum_dtype``), NorMuon's fp32 row state of every matrix the rank holds a piece
+    of, and AdamW's two moments for the rest; AdamW two moments for every trained element."""
     mode = "ddp" if workload.mode == "ddp" else "fsdp2"
     local_muon = local_params(muon_params(workload.config), workload, mode)
     local_all = local_params(trainable_params(workload.config), workload, mode)
-    return 4 * local_muon + 8 * (local_all - local_muon), 8 * local_all
+    momentum = MOMENTUM_STATE_BYTES[workload.momentum_dtype] * local_muon
+    return momentum + row_state_bytes(workload) + 8 * (local_all - local_muon), 8 * local_all
+
+
+def row_state_bytes(workload: Workload) -> float:
+    """NorMuon's row state (4 bytes per row of every Muon matrix), whole on every rank; 0 for Muon."""
+    if workload.update_rule != "normuon":
+        return 0.0
+    return 4.0 * sum(count * m for _, count, m, _ in muon_units(workload.config))
+
+
+def row_state_traffic(workload: Workload) -> float:
+    """Bytes one rank sends per step to share NorMuon's row states: one ring all-reduce of every
+    row state over the ranks of the exchange (none in one process)."""
+    size = workload.group_size
+    return 2 * (size - 1) / size * row_state_bytes(workload) if size > 1 else 0.0
 
 
 def predict(workload: Workload, model: str = "") -> Prediction:
@@ -518,7 +540,7 @@ def predict(workload: Workload, model: str = "") -> Prediction:
     vanilla_opt = vanilla_muon_step_seconds(workload, baseline_mode)
     size = workload.group_size
     traffic = total_traffic(costs, size)
-    sent = (traffic.intra_out + traffic.inter_out).double()
+    sent = (traffic.intra_out + traffic.inter_out).double() + row_state_traffic(workload)
     flops = _flops_per_rank(stage, workload)
     shards = _row_shards(workload)
     for s in stage.split:

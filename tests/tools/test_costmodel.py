@@ -22,6 +22,7 @@ from dmuon.tools.costmodel import (
     measured_mfu,
     memory_seconds,
     muon_params,
+    muon_units,
     normalize_bytes,
     ns_seconds,
     stage_plan,
@@ -149,6 +150,23 @@ def test_owner_mode_moves_nothing_in_the_optimizer():
     p = predict(workload(world=64, mode="owner"))
     assert p.mb_sent_per_rank == (0.0, 0.0, 0.0)
     assert p.dmuon_opt_ms < predict(workload(world=64)).dmuon_opt_ms
+
+
+def test_momentum_dtype_and_normuon_in_the_state_and_the_bytes():
+    """bf16 momentum halves the Muon part of dmuon's state, 8-bit blocks keep 1 + 4/128 bytes per
+    weight; NorMuon adds 4 bytes per row of state, and one ring all-reduce of it per step."""
+    base = predict(workload(world=64))
+    adamw_part = base.dmuon_state_gb - 4 * muon_params(load_model_config("llama-3.1-8b")) / 64 / 2**30
+    for dtype, per_weight in (("bfloat16", 2), ("int8", 1 + 4 / 128)):
+        p = predict(workload(world=64, momentum_dtype=dtype))
+        assert p.dmuon_state_gb - adamw_part == pytest.approx((base.dmuon_state_gb - adamw_part) * per_weight / 4)
+    rows = sum(count * m for _, count, m, _ in muon_units(load_model_config("llama-3.1-8b")))
+    normuon = predict(workload(world=64, update_rule="normuon"))
+    assert (normuon.dmuon_state_gb - base.dmuon_state_gb) * 2**30 == pytest.approx(4 * rows)
+    sent = [(a - b) * 2**20 for a, b in zip(normuon.mb_sent_per_rank, base.mb_sent_per_rank)]
+    assert sent == pytest.approx([2 * 63 / 64 * 4 * rows] * 3)
+    with pytest.raises(ValueError, match="Invalid momentum_dtype='float16'"):
+        workload(momentum_dtype="float16")
 
 
 def test_elementwise_efficiency_scales_only_the_elementwise_phases():
