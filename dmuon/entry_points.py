@@ -178,11 +178,11 @@ def load_state_dict(opt: Muon, state_dict: dict[str, Any]) -> None:
         loaded = param_groups.with_new_keys(loaded, opt.param_groups)
         param_groups.check_loadable(loaded, opt.param_groups)
         torch.optim.Optimizer.load_state_dict(opt, loaded)
-        param_groups.restore_kept_dtypes(loaded, opt.param_groups, opt.state)
         # The per-parameter facts are this build's: derived from the groups and parameters, never
         # read from a checkpoint (a flattened one holds another layout's lists; torch.optim.Muon's none).
         for group, before in zip(opt.param_groups, kept[1]):
             group.update({key: before[key] for key in (*ROUTING_KEYS, ROUTE_REASONS, "param_names") if key in before})
+        param_groups.restore_kept_dtypes(loaded, opt.param_groups, opt.state)  # by this build's routes
         return fingerprint(opt)
 
     try:

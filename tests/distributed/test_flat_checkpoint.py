@@ -32,6 +32,9 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 SPLITS = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 4: [[0], [1], [2], [3]]}
 
 
+NORMUON_8BIT = {"update_rule": "normuon", "momentum_dtype": "int8"}
+
+
 def parts_of(model: Llama, parts: int) -> list[nn.Module]:
     """The model in ``parts`` pieces as torchtitan cuts pipeline stages: each a copy of the
     whole with the other layers gone, every parameter under its full model's name."""
@@ -58,16 +61,17 @@ def set_grads(parts: list[nn.Module], step: int) -> None:
 class Job:
     """The model in ``parts`` parts, an optimizer each (``torchtitan``: built by its container)."""
 
-    def __init__(self, parts: int, dtype: torch.dtype, torchtitan: bool) -> None:
+    def __init__(self, parts: int, dtype: torch.dtype, torchtitan: bool, options: dict | None = None) -> None:
         self.parts = parts_of(Llama(CONFIG, seed=0).to(dtype), parts)
         self.torchtitan = torchtitan
+        hparams = {**HPARAMS, **(options or {})}
         if torchtitan:
             from dmuon.integrations.torchtitan import dmuon_optimizer_config
 
-            self.container = dmuon_optimizer_config(**HPARAMS).build(model_parts=self.parts)
+            self.container = dmuon_optimizer_config(**hparams).build(model_parts=self.parts)
             self.optimizers = self.container.dmuon_optimizers
         else:
-            self.optimizers = [dmuon.Muon(part, **HPARAMS) for part in self.parts]
+            self.optimizers = [dmuon.Muon(part, **hparams) for part in self.parts]
 
     def train(self, steps: range) -> None:
         for step in steps:
@@ -99,14 +103,14 @@ class Job:
         return {name: p.detach().clone() for part in self.parts for name, p in part.named_parameters()}
 
 
-def reshard(into: int, dtype: torch.dtype, torchtitan: bool) -> dict:
+def reshard(into: int, dtype: torch.dtype, torchtitan: bool, options: dict | None = None) -> dict:
     """2 parts trained 2 steps, their flat checkpoint loaded into ``into`` parts (trained to the
     same point first, so that loading replaces real state), then 2 more steps in each."""
-    saved = Job(2, dtype, torchtitan)
+    saved = Job(2, dtype, torchtitan, options)
     saved.train(range(2))
     flat = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
             for k, v in saved.flat_state_dict().items()}
-    loaded = Job(into, dtype, torchtitan)
+    loaded = Job(into, dtype, torchtitan, options)
     loaded.train(range(1))
     loaded.load_weights(saved.params())  # the model's checkpoint: FQN-keyed in any layout
     loaded.load(flat)
@@ -114,19 +118,25 @@ def reshard(into: int, dtype: torch.dtype, torchtitan: bool) -> dict:
     routes = [optimizer.routes() for optimizer in loaded.optimizers]
     saved.train(range(2, 4))
     loaded.train(range(2, 4))
-    return dict(flat=flat, reloaded=reloaded, routes=routes, built=[Job(into, dtype, False).optimizers[i].routes()
+    return dict(flat=flat, reloaded=reloaded, routes=routes, built=[Job(into, dtype, False, options).optimizers[i].routes()
                                                                       for i in range(into)],
                 saved=saved.params(), loaded=loaded.params())
 
 
 @pytest.mark.parametrize("torchtitan", [False, pytest.param(True, marks=pytest.mark.skipif(
     sys.version_info < (3, 11), reason="torchtitan 0.3.0 needs Python >= 3.11"))])
-@pytest.mark.parametrize("into,dtype", [(1, torch.float32), (4, torch.float32), (1, torch.bfloat16),
-                                        (4, torch.bfloat16)])
-def test_a_two_part_flat_checkpoint_loads_into_other_pipeline_layouts(into, dtype, torchtitan):
-    (result,) = run_on_ranks(1, reshard, into, dtype, torchtitan)
+@pytest.mark.parametrize("into,dtype,options", [
+    (1, torch.float32, None), (4, torch.float32, None), (1, torch.bfloat16, None), (4, torch.bfloat16, None),
+    (4, torch.float32, NORMUON_8BIT), (1, torch.bfloat16, NORMUON_8BIT)])
+def test_a_two_part_flat_checkpoint_loads_into_other_pipeline_layouts(into, dtype, options, torchtitan):
+    """NorMuon's row state and 8-bit momentum's codes and scales too: flat keys of their own."""
+    (result,) = run_on_ranks(1, reshard, into, dtype, torchtitan, options)
     state = {k: v for k, v in result["flat"].items() if k.startswith("state.")}
     assert state and all(torch.equal(v, result["reloaded"][k]) for k, v in state.items())
+    if options:
+        kept = {k.rsplit(".", 1)[1] for k in state}
+        assert {"momentum_scale", "row_second_moment"} <= kept
+        assert all(v.dtype == torch.int8 for k, v in state.items() if k.endswith(".momentum_buffer"))
     assert result["routes"] == result["built"]  # each optimizer's own routing, not the checkpoint's lists
     for name, value in result["saved"].items():
         assert torch.equal(result["loaded"][name], value), name
