@@ -90,6 +90,20 @@ def processors_of_two_kinds() -> None:
         orthogonalization._cpu_bf16_native.cache_clear()
 
 
+def momentum_dtype_of_rank() -> None:
+    muon(make_params(), momentum_dtype="int8" if dist.get_rank() == 0 else "bfloat16")
+
+
+def update_rule_set_on_rank_1_then_step() -> None:
+    params = make_params()
+    opt = muon(params)
+    set_grads(params)
+    opt.step()
+    if dist.get_rank() == 1:
+        opt.param_groups[0]["update_rule"] = "normuon"
+    opt.step()
+
+
 def bad_lr_on_rank_1() -> None:
     muon(make_params(), weight_decay=float("inf") if dist.get_rank() == 1 else 0.1)
 
@@ -131,6 +145,10 @@ def sparse_gradient_on_rank_1() -> None:
      r"muon on rank 1"),
     (load_on_rank_0_only,
      r"RuntimeError: Ranks are in different optimizer calls: some called load_state_dict, others step"),
+    (momentum_dtype_of_rank,
+     r"ValueError: Ranks disagree .*param group 0's momentum_dtype is 'int8' on rank 0 but 'bfloat16' on rank 1"),
+    (update_rule_set_on_rank_1_then_step,
+     r"ValueError: Ranks disagree .*param group 0's update_rule is 'muon' on rank 0 but 'normuon' on rank 1"),
     (processors_of_two_kinds, r"ValueError: Ranks disagree .*what ns_dtype=None resolves to is .*bfloat16 .*on rank 0 "
                               r"but .*float32 \(no AVX512-BF16 or AMX"),
 ])
