@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,9 @@ MEASUREMENTS = {
                              [["dmuon", "bench", "--json", "{out}"]]),
     "bench-vla": Measurement("What a step costs over AdamW and vanilla Muon: the embodied model",
                              [["dmuon", "bench", "--preset", "vla", "--json", "{out}"]]),
+    "bench-family": Measurement("The Muon family's optimizer step and state on the bench preset",
+                                [["dmuon", "bench", "--preset", "bench", "--configs", "fsdp-adamw,fsdp-dmuon,"
+                                  "fsdp-dmuon-aol,fsdp-dmuon-bf16mom,fsdp-dmuon-int8mom", "--json", "{out}"]]),
     "peers": Measurement("The optimizer step beside other distributed Muons",
                          [["dmuon", "bench", "--peers", "--configs", "ddp-dmuon,fsdp-dmuon", "--json", "{out}"]]),
     "plan": Measurement("Predicted at scale: dmuon plan on H100s",
@@ -135,6 +139,27 @@ def bench_table(record: dict) -> str:
                      f"| {ratio(r['mem_vs_adamw'])} | {mb} |")
     warnings = sorted({w for r in records for w in r["warnings"]})
     settled = "every ratio within ±10 % (95 % interval)" if not warnings else "not settled: " + "; ".join(warnings)
+    return "\n".join(lines) + f"\n\n{settled}.\n"
+
+
+def family_bench_table(record: dict) -> str:
+    """Each configuration's optimizer step against ``fsdp-dmuon``'s (median of per-round ratios)
+    and its optimizer state against ``fsdp-dmuon``'s."""
+    records = record["runs"][0]["result"]
+    base = next(r for r in records if r["config"] == "fsdp-dmuon")
+    lines = ["| configuration | optimizer step ms | optimizer step / fsdp-dmuon's (rounds' range) | step / AdamW's "
+             "| optimizer state MiB per rank (Muon's part) | Muon's state / fsdp-dmuon's |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in records:
+        ratios = sorted(a / b for a, b in zip(r["round_opt_step_ms"], base["round_opt_step_ms"]) if a and b)
+        versus = f"{statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})" if ratios else "–"
+        muon = f"{r['muon_state_bytes'] / base['muon_state_bytes']:.2f}×" if r["muon_state_bytes"] else "–"
+        lines.append(f"| {r['config']} | {r['opt_step_ms']:.1f} | {versus} "
+                     f"| {ratio(r['step_vs_adamw'], r['step_vs_adamw_halfwidth'])} "
+                     f"| {r['state_bytes'] / 2**20:.1f} ({r['muon_state_bytes'] / 2**20:.1f}) | {muon} |")
+    warnings = sorted({w for r in records for w in r["warnings"]})
+    settled = "every ratio to AdamW within ±10 % (95 % interval)" if not warnings else \
+        "not settled: " + "; ".join(warnings)
     return "\n".join(lines) + f"\n\n{settled}.\n"
 
 
@@ -236,6 +261,10 @@ SECTIONS = {  # measurement → (what the table shows, how to read it)
                   "same ranks, ratios are medians of per-round ratios."),
     "bench-vla": (bench_table, "The embodied preset `vla` (a frozen 6-layer ViT tower, a 512-wide language model and a "
                   "256-wide action expert; 26.5 M parameters, 20.7 M trained), 2 gloo ranks, as above."),
+    "bench-family": (family_bench_table, "`dmuon bench --preset bench` (27 M parameters), 2 gloo ranks, FSDP2: "
+                     "dmuon's Muon beside `ns_coefficients=\"aol\"` and `momentum_dtype` bfloat16 and int8 (8-bit "
+                     "blocks), all stepping in turn in the same ranks. State: the optimizers' state tensors on the "
+                     "rank holding the most, Muon's matrices' part in brackets."),
     "peers": (peers_table, "`dmuon bench --peers`: dmuon's optimizer step against every installed peer's in the same "
               "ranks (the bench preset; Dion needs a git install and is left out where it is missing)."),
     "plan": (plan_table, "`dmuon plan`'s predictions on the H100 profile (datasheet rates, MFU 0.4): the step's "
