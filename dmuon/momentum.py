@@ -42,27 +42,24 @@ def scale_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
 
 def encode(value: Tensor) -> tuple[Tensor, Tensor]:
     """``value`` (any float dtype, last dim the columns) as int8 codes and fp32 block scales."""
-    value = value.float()
-    scales = _blocks(value.abs()).amax(-1) / _LEVELS
+    blocks = _blocks(value.float())
+    scales = blocks.abs().amax(-1) / _LEVELS
     divisors = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block codes as zeros
-    codes = torch.round(value / _per_column(divisors, value.shape[-1])).clamp_(-_LEVELS, _LEVELS)
-    return codes.to(torch.int8), scales
+    codes = torch.round(blocks / divisors.unsqueeze(-1)).clamp_(-_LEVELS, _LEVELS).to(torch.int8)
+    return codes.flatten(-2)[..., :value.shape[-1]], scales
 
 
 def decode(codes: Tensor, scales: Tensor) -> Tensor:
     """The fp32 values int8 ``codes`` with block ``scales`` stand for."""
-    return codes.float() * _per_column(scales, codes.shape[-1])
+    return (_blocks(codes).float() * scales.unsqueeze(-1)).flatten(-2)[..., :codes.shape[-1]]
 
 
 def _blocks(value: Tensor) -> Tensor:
-    """``value``'s last dim as (blocks, BLOCK), the last block padded with zeros."""
+    """``value``'s last dim as (blocks, BLOCK), the last block padded with zeros (a view where
+    the columns fill whole blocks)."""
     pad = -value.shape[-1] % BLOCK
-    return (F.pad(value, (0, pad)) if pad else value).unflatten(-1, (-1, BLOCK))
-
-
-def _per_column(scales: Tensor, columns: int) -> Tensor:
-    """Each block's scale repeated for each of its columns."""
-    return scales.repeat_interleave(BLOCK, -1)[..., :columns]
+    padded = F.pad(value, (0, pad)) if pad else value
+    return padded.reshape(*padded.shape[:-1], -1, BLOCK)
 
 
 def split_error(param: Tensor) -> str | None:
