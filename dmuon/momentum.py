@@ -50,8 +50,10 @@ def encode(value: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def decode(codes: Tensor, scales: Tensor) -> Tensor:
-    """The fp32 values int8 ``codes`` with block ``scales`` stand for."""
-    return (_blocks(codes).float() * scales.unsqueeze(-1)).flatten(-2)[..., :codes.shape[-1]]
+    """The fp32 values int8 ``codes`` with block ``scales`` stand for, contiguous (the step's
+    kernels must see the same strides in every layout: on CPU a strided operand can take a loop
+    that rounds differently)."""
+    return (_blocks(codes).float() * scales.unsqueeze(-1)).flatten(-2)[..., :codes.shape[-1]].contiguous()
 
 
 def _blocks(value: Tensor) -> Tensor:
