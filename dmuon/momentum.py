@@ -61,7 +61,7 @@ def _blocks(value: Tensor) -> Tensor:
     the columns fill whole blocks)."""
     pad = -value.shape[-1] % BLOCK
     padded = F.pad(value, (0, pad)) if pad else value
-    return padded.reshape(*padded.shape[:-1], -1, BLOCK)
+    return padded.reshape(*padded.shape[:-1], padded.shape[-1] // BLOCK, BLOCK)  # (an empty shard too)
 
 
 def split_error(param: Tensor) -> str | None:

@@ -94,6 +94,16 @@ def low_precision_steps(layout: str, dtype: torch.dtype, steps: int = 2, update_
     )
 
 
+def assert_weights_match(first: dict, rounded: bool) -> None:
+    """Rank 0's weights against the reference's: bitwise, or within 2e-3 (relative) where ``rounded``."""
+    for i, (got, ref) in enumerate(zip(first["params"], first["reference"])):
+        if rounded:
+            error = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert error < 2e-3, (i, error)
+        else:
+            assert torch.equal(got, ref), f"w{i}: {(got != ref).sum().item()} of {got.numel()} elements differ"
+
+
 CASES = [(layout, world) for layout in LAYOUTS for world in (1, 2, 3, 4)
          if world > 1 or layout == "ddp"  # one process: every layout is the plain one
          if LAYOUTS[layout][0] is None or len(LAYOUTS[layout][0](world)) == 1 or world % 2 == 0
@@ -113,12 +123,7 @@ def test_low_precision_replicas_are_identical_and_match_one_process(layout, worl
             assert torch.equal(got, ref), f"rank {rank}'s momentum of w{i} differs from rank 0's"
     for i, (got, ref) in enumerate(zip(first["momentum"], first["ref_momentum"])):
         assert torch.equal(got, ref), f"momentum of w{i}"  # element-wise: bitwise in every layout
-    for i, (got, ref) in enumerate(zip(first["params"], first["reference"])):
-        if layout in ROUNDED and world > 1:
-            error = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-            assert error < 2e-3, (i, error)
-        else:
-            assert torch.equal(got, ref), f"w{i}: {(got != ref).sum().item()} of {got.numel()} elements differ"
+    assert_weights_match(first, layout in ROUNDED and world > 1)
     if layout.endswith("gangs"):
         assert first["gangs"], "the cost model split no matrix over a gang"
 
@@ -137,12 +142,7 @@ def test_normuon_in_every_layout_matches_one_process(layout, world):
             for i, (got, ref) in enumerate(zip(r[name], first[name])):
                 assert torch.equal(got, ref), f"rank {rank}'s {name} of w{i} differs from rank 0's"
         assert not r["gangs"]
-    for i, (got, ref) in enumerate(zip(first["params"], first["reference"])):
-        if layout == "row-wise tp" and world > 1:
-            error = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-            assert error < 2e-3, (i, error)
-        else:
-            assert torch.equal(got, ref), f"w{i}: {(got != ref).sum().item()} of {got.numel()} elements differ"
+    assert_weights_match(first, layout == "row-wise tp" and world > 1)
     for i, (got, ref) in enumerate(zip(first["row_states"], first["ref_row_states"])):
         if layout == "row-wise tp" and world > 1:
             assert torch.allclose(got, ref, rtol=2e-2, atol=1e-6), i
@@ -166,12 +166,7 @@ def test_fp32_momentum_beside_bf16_weights_in_every_layout(layout, world):
                 assert torch.equal(got, ref), f"rank {rank}'s {name} of w{i} differs from rank 0's"
     for i, (got, ref) in enumerate(zip(first["momentum"], first["ref_momentum"])):
         assert got.dtype == torch.float32 and torch.equal(got, ref), f"momentum of w{i}"
-    for i, (got, ref) in enumerate(zip(first["params"], first["reference"])):
-        if layout in ROUNDED:
-            error = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-            assert error < 2e-3, (i, error)
-        else:
-            assert torch.equal(got, ref), f"w{i}: {(got != ref).sum().item()} of {got.numel()} elements differ"
+    assert_weights_match(first, layout in ROUNDED)
 
 
 # last dims a row-wise split over 2, 3 or 4 ranks cuts at multiples of 128 columns (whole 8-bit blocks)
@@ -199,12 +194,7 @@ def test_8bit_momentum_in_every_layout_matches_one_process(layout, world, dtype)
     for name in ("momentum", "scales"):
         for i, (got, ref) in enumerate(zip(first[name], first[f"ref_{name}"])):
             assert torch.equal(got, ref), f"{name} of w{i}"
-    for i, (got, ref) in enumerate(zip(first["params"], first["reference"])):
-        if layout in ROUNDED and world > 1:
-            error = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-            assert error < 2e-3, (i, error)
-        else:
-            assert torch.equal(got, ref), f"w{i}: {(got != ref).sum().item()} of {got.numel()} elements differ"
+    assert_weights_match(first, layout in ROUNDED and world > 1)
 
 
 def row_wise_8bit(columns: int) -> str | None:
