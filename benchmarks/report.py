@@ -65,9 +65,9 @@ MEASUREMENTS = {
     "quality": Measurement("Training quality on real text", [["dmuon", "quality", "--json", "{out}"]]),
     "quality-vla": Measurement("Training quality on the embodied model, and its lr",
                                [["dmuon", "quality", "--workload", "vla", "--seeds", "3", "--json", "{out}"]]),
-    "quality-family": Measurement("The Muon family on real text: NorMuon beside Muon and AdamW",
-                                  [["dmuon", "quality", "--optimizers", "adamw,torch-muon,dmuon,dmuon-normuon,dmuon-aol,"
-                                    "dmuon-bf16mom,dmuon-int8mom", "--seeds", "3", "--json", "{out}"]]),
+    "quality-family": Measurement("The Muon family on real text: NorMuon, AOL and smaller momentum beside Muon",
+                                  [["dmuon", "quality", "--optimizers", "adamw,torch-muon,dmuon,dmuon-normuon,"
+                                    "dmuon-aol,dmuon-bf16mom,dmuon-int8mom", "--seeds", "3", "--json", "{out}"]]),
 }
 
 

@@ -71,7 +71,8 @@ def split_error(param: Tensor) -> str | None:
     if not splits:
         return None
     if len(splits) > 1 or not splits[0][1]:
-        return f"its last dim is split {'unevenly' if len(splits) == 1 else f'over {len(splits)} mesh dims'}"
+        return (f"its last dim is split over {len(splits)} mesh dims" if len(splits) > 1
+                else "its last dim is split in strided chunks (_StridedShard)")
     size, columns = splits[0][0], param.shape[-1]
     # torch cuts the columns into chunks of ceil(columns / size), and the scales' blocks likewise
     chunk, blocks_chunk = math.ceil(columns / size), math.ceil(math.ceil(columns / BLOCK) / size)
@@ -118,9 +119,3 @@ def store(entry: dict[str, Tensor], new: Tensor) -> None:
     elif new is not buffer:
         buffer.copy_(new)
 
-
-def state_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """The bytes of a momentum state for a parameter of ``shape`` kept in ``dtype``."""
-    if dtype == torch.int8:
-        return math.prod(shape) + 4 * math.prod(scale_shape(shape))
-    return math.prod(shape) * dtype.itemsize

@@ -568,8 +568,9 @@ def with_new_keys(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) 
 def restore_kept_dtypes(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]], state: dict) -> None:
     """After torch's ``load_state_dict``, which casts every state tensor to its parameter's dtype:
     the state dmuon keeps in another dtype (an update rule's fp32 row state beside bf16 weights,
-    momentum in its ``momentum_dtype``, 8-bit momentum's codes and scales) put back from ``state_dict`` uncast, so that no bit is
-    lost (a step casts a momentum saved in another dtype to the group's)."""
+    momentum in its ``momentum_dtype``, 8-bit momentum's codes and scales) put back from
+    ``state_dict`` uncast, so that no bit is lost (a step converts a momentum saved in another
+    dtype to the group's)."""
     saved = state_dict["state"]
     for saved_group, group in zip(state_dict["param_groups"], groups):
         for key, p, algorithm in zip(saved_group["params"], group["params"], group["algorithms"]):
@@ -650,7 +651,8 @@ def check_loadable(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]])
 
 
 # which algorithm (or Muon's update rule) keeps each state key
-_STATE_OWNER = {**{key: algorithm for algorithm, keys in STATE_KEYS.items() for key in keys}, momentum.SCALE_KEY: "muon",
+_STATE_OWNER = {**{key: algorithm for algorithm, keys in STATE_KEYS.items() for key in keys},
+                momentum.SCALE_KEY: "muon",
                 **{rule.state: rule.name for rule in RULES.values() if rule.state is not None}}
 
 

@@ -118,9 +118,8 @@ def reshard(into: int, dtype: torch.dtype, torchtitan: bool, options: dict | Non
     routes = [optimizer.routes() for optimizer in loaded.optimizers]
     saved.train(range(2, 4))
     loaded.train(range(2, 4))
-    return dict(flat=flat, reloaded=reloaded, routes=routes, built=[Job(into, dtype, False, options).optimizers[i].routes()
-                                                                      for i in range(into)],
-                saved=saved.params(), loaded=loaded.params())
+    built = [Job(into, dtype, False, options).optimizers[i].routes() for i in range(into)]
+    return dict(flat=flat, reloaded=reloaded, routes=routes, built=built, saved=saved.params(), loaded=loaded.params())
 
 
 @pytest.mark.parametrize("torchtitan", [False, pytest.param(True, marks=pytest.mark.skipif(
