@@ -48,8 +48,7 @@ class Muon(torch.optim.Optimizer):
         weight_decay: decoupled weight decay, Muon's and, without ``adamw_weight_decay``, AdamW's.
         momentum: μ, in [0, 1).
         nesterov: Newton–Schulz input ``G + μ·(B − G)`` instead of B.
-        ns_coefficients: "polar_express", "keller", "you", "aol", "deepseek_v4", one (a, b, c), or a sequence
-            of triples.
+        ns_coefficients: "polar_express", "keller", "you", "aol", "deepseek_v4", or (a, b, c) triple(s).
         eps: added to ‖M‖_F before normalizing (> 0).
         ns_steps: Newton–Schulz steps, 1–99; None: the recipe's (5; 4 for "aol", 10 for "deepseek_v4").
         adjust_lr_fn: the per-matrix lr factor: "match_rms_adamw" (0.2·√max(m, n)), "original"
@@ -60,10 +59,10 @@ class Muon(torch.optim.Optimizer):
             standard NS on CPUs with native bf16, else fp32).
         ns_restarts: Gram NS restart steps (None: placed for the schedule).
         ns_blocks: fused weights' row blocks, orthogonalized apart: an int k or row counts.
-        update_rule: what the owner does to the orthogonalized update (:mod:`dmuon.rules`): "muon"
-            (nothing) or "normuon" (rows divided by their running RMS, the norm restored).
+        update_rule: the owner's step after Newton–Schulz (:mod:`dmuon.rules`): "muon" (none) or
+            "normuon" (rows divided by their running RMS, the norm restored).
         beta2: NorMuon's second-moment decay, in [0, 1).
-        momentum_dtype: the momentum buffers' dtype: None (the parameter's), bfloat16 or float32.
+        momentum_dtype: the momentum's dtype: None (the parameter's), bfloat16, float32, int8 (8-bit blocks).
         adamw_betas, adamw_eps: AdamW's betas and eps.
         adamw_lr: AdamW's lr where it differs from ``lr``; it then follows ``lr``'s schedule.
         adamw_weight_decay: AdamW's weight decay where it differs from ``weight_decay``.

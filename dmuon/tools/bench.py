@@ -110,7 +110,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dmuon.orthogonalization import NAMED_COEFFICIENTS, native_bf16, orthogonalize, orthogonalize_column_blocks
 from dmuon.owner import OwnerSharding, shard_by_owner
-from dmuon.tensors import local
 from dmuon.tools.cli import (
     UsageError,
     check_fits,
@@ -125,6 +124,7 @@ from dmuon.tools.cli import (
     sample_seq_len,
 )
 from dmuon.tools.demo import CONFIGS as OPTIMIZERS
+from dmuon.tools.demo import state_bytes
 from dmuon.tools.hardware import available_memory, gpu_memory
 from dmuon.tools.models import (
     PRESETS,
@@ -155,8 +155,6 @@ MORE_CONFIGS = ("ddp-dmuon-early", "fsdp-dmuon-early", "ownerz2-dmuon-early", "d
 VARIANTS = {"bf16wire": {"comm_dtype": torch.bfloat16}, "early": {"early_start": True},
             "atstep": {"early_start": False}, "aol": {"ns_coefficients": "aol"},
             "bf16mom": {"momentum_dtype": torch.bfloat16}, "int8mom": {"momentum_dtype": torch.int8}}
-# the state keys of Muon's matrices (momentum, 8-bit momentum's scales, NorMuon's row state)
-MUON_STATE_KEYS = ("momentum_buffer", "momentum_scale", "row_second_moment")
 # What each data-parallel mode is compared with (AdamW and vanilla Muon of that mode).
 BASELINE_MODE = {"ddp": "ddp", "fsdp": "fsdp", "ownerz2": "fsdp", "ownerz3": "fsdp"}
 
@@ -200,7 +198,7 @@ class BenchResult:
     # dmuon.Muon only: per round, the busiest rank's Newton–Schulz calls of a step timed alone
     round_ns_alone_ms: tuple[float, ...] = ()
     state_bytes: int = 0  # the optimizers' state on the rank holding the most (counted: its tensors' bytes)
-    muon_state_bytes: int = 0  # the part of it Muon's matrices keep (MUON_STATE_KEYS)
+    muon_state_bytes: int = 0  # the part of it kept for Muon's matrices (demo.MUON_STATE_KEYS)
 
     def rounds(self, what: str) -> tuple[float, ...]:
         values = getattr(self, f"round_{what}")
@@ -442,12 +440,6 @@ class _Trainer:
             0.0 if optimizer == "adamw" or (optimizer == "torch-muon" and parallel == "ddp") else None)
         return sent, self.train_bytes
 
-    def state_bytes(self) -> tuple[int, int]:
-        """The bytes of this rank's optimizer state: all of it, and Muon's matrices' part."""
-        sizes = [(key, local(t).numel() * t.element_size()) for opt in self.optimizers for entry in opt.state.values()
-                 for key, t in entry.items() if isinstance(t, torch.Tensor)]
-        return sum(size for _, size in sizes), sum(size for key, size in sizes if key in MUON_STATE_KEYS)
-
     def ns_alone_s(self) -> float | None:
         """dmuon.Muon's Newton–Schulz calls of the last step on this rank, timed alone (None for
         other optimizers)."""
@@ -618,7 +610,7 @@ def _timed(names: list[str], args: argparse.Namespace, rank: int, world: int, de
     averaged = torch.tensor([[opt or 0.0, train] for opt, train in (sent[n] for n in names)], dtype=torch.float64,
                             device=device)
     dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
-    states = torch.tensor([trainers[n].state_bytes() for n in names], dtype=torch.float64, device=device)
+    states = torch.tensor([state_bytes(trainers[n].optimizers) for n in names], dtype=torch.float64, device=device)
     dist.all_reduce(states, op=dist.ReduceOp.MAX)
     results = summarize(records, world)
     for name, (opt, train), (state, muon_state) in zip(names, averaged.tolist(), states.tolist()):

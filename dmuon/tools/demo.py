@@ -28,6 +28,7 @@ from torch import nn
 
 import dmuon
 from dmuon.routing import default_route, module_roles
+from dmuon.tensors import local
 from dmuon.tools.cli import (
     check_fits,
     check_seq_len,
@@ -94,6 +95,18 @@ CONFIGS: dict[str, OptimizerFactory] = {
     "dmuon-int8mom": partial(dmuon_muon, momentum_dtype=torch.int8),
 }
 DEFAULT_CONFIGS = ("adamw", "torch-muon", "dmuon")  # what runs unless --optimizers names others
+
+
+# the state keys of Muon's matrices (momentum, 8-bit momentum's scales, NorMuon's row state)
+MUON_STATE_KEYS = ("momentum_buffer", "momentum_scale", "row_second_moment")
+
+
+def state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[int, int]:
+    """The bytes of this rank's part of the optimizers' state tensors: all of them, and the part
+    kept for Muon's matrices (:data:`MUON_STATE_KEYS`)."""
+    sizes = [(key, local(t).numel() * t.element_size()) for opt in optimizers for entry in opt.state.values()
+             for key, t in entry.items() if isinstance(t, torch.Tensor)]
+    return sum(size for _, size in sizes), sum(size for key, size in sizes if key in MUON_STATE_KEYS)
 
 
 # the configurations that train with Muon, at --muon-lr-multiple times --lr

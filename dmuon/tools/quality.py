@@ -59,7 +59,7 @@ from dmuon.tools.cli import (
     positive_int,
 )
 from dmuon.tools.corpus import VAL_EVERY, VOCAB_SIZE, Corpus, load_corpus, train_batch, val_batches
-from dmuon.tools.demo import CONFIGS, DEFAULT_CONFIGS, OptimizerFactory
+from dmuon.tools.demo import CONFIGS, DEFAULT_CONFIGS, OptimizerFactory, state_bytes
 from dmuon.tools.hardware import available_memory
 from dmuon.tools.models import Llama, LlamaConfig, VLAConfig, get_config, param_count, training_bytes
 from dmuon.tools.vla import VLA, SyntheticEpisodes
@@ -217,13 +217,7 @@ def train_run(
             if progress is not None:
                 progress(step, curve[-1][2])
     return Run(optimizer, lr, steps, False, tuple(curve), (seed,), optimizer_seconds=optimizer_seconds,
-               state_bytes=state_bytes(optimizers))
-
-
-def state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> int:
-    """The bytes of the optimizers' state tensors."""
-    return sum(t.numel() * t.element_size() for opt in optimizers for entry in opt.state.values()
-               for t in entry.values() if isinstance(t, torch.Tensor))
+               state_bytes=state_bytes(optimizers)[0])
 
 
 def mean_over_seeds(runs: Sequence[Run]) -> list[Run]:
