@@ -93,10 +93,8 @@ def zeros(param: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
 
 def converted(entry: dict[str, Tensor], param: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
     """``entry``'s momentum kept in ``dtype`` instead (a group's ``momentum_dtype`` changed)."""
-    values = decode(local(entry["momentum_buffer"]), local(entry[SCALE_KEY])) if SCALE_KEY in entry \
-        else local(entry["momentum_buffer"])
     state = zeros(param, dtype)
-    store(state, values)
+    store(state, value(entry))
     return state
 
 
