@@ -8,7 +8,7 @@ row-wise TP, expert stacks sharded on dim 1 or 2 over the expert-FSDP axis — c
 ``last_step_stats.bytes_sent`` at the second step (the first also exchanges the pieces' index
 lists, once), less the agreement header. The bound is FSDP2's exchange: 2(N-1)/N of the Muon
 weights spread over the N ranks, per rank on average. Gathering each matrix whole on every rank
-and broadcasting its update from the owner, as dmuon did before the pieces exchange, moves
+and broadcasting its update from the owner, as dmuon did before the piece exchange, moves
 2(N-1)/N of the weights per rank: N times the bound.
 """
 

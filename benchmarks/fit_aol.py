@@ -12,7 +12,7 @@ of the bench preset's shapes, and the bench model's own gradients. For each ℓ 
 schedule and measures the polar error of AOL-rescaled matrices in exact arithmetic (fp64 SVD:
 ‖U·p(Σ)·Vᵀ − U·Vᵀ‖_F / ‖U·Vᵀ‖_F over the matrix's numerical rank); the ℓ with the lowest mean
 error over the three kinds wins, and its raw
-coefficients are what ``dmuon.orthogonalization.AOL_RAW`` holds (the safety factor
+coefficients are what ``dmuon.coefficients.AOL_RAW`` holds (the safety factor
 ``POLAR_EXPRESS_SAFETY`` is applied in code, as for Polar Express). As a check it prints its first
 step from ℓ = 1e-3 beside Polar Express's published one (near, not equal: Polar Express's own
 fit differs in details this one does not copy).
@@ -27,7 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.orthogonalization import POLAR_EXPRESS_RAW, aol_rescale, polar_express_schedule
+from dmuon.coefficients import POLAR_EXPRESS_RAW, polar_express_schedule
+from dmuon.orthogonalization import aol_rescale
 from dmuon.tools.ns_accuracy import RANK_TOLERANCE, compose, polar_test_matrices
 
 F64 = torch.float64

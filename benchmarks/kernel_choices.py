@@ -1,7 +1,7 @@
 """The small kernel choices dmuon's code makes on CPU, timed side by side against the obvious
 alternative (each pair interleaved, best of several repeats, one process):
 
-* ``max |X|`` per matrix as max(max X, −min X) (``orthogonalization._max_abs``) vs
+* ``max |X|`` per matrix as max(max X, −min X) (``orthogonalization.max_abs``) vs
   ``X.abs().amax()``;
 * a product with the transpose of a tall matrix as a contiguous copy
   (``orthogonalization._transposed``, made once per Newton–Schulz call for the products that read
@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from dmuon import orthogonalization
-from dmuon.orthogonalization import _max_abs, _transposed, orthogonalize, resolve_config
+from dmuon.orthogonalization import _transposed, max_abs, orthogonalize, resolve_config
 from dmuon.tensors import grad_norms
 from dmuon.timing import best_seconds
 
@@ -55,7 +55,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {args.threads} thread(s)")
 
     X = torch.randn(8, 512, 1536, generator=g)
-    compare("max |X| of 8 x 512x1536 fp32", lambda: _max_abs(X), lambda: X.abs().amax(dim=(-2, -1), keepdim=True),
+    compare("max |X| of 8 x 512x1536 fp32", lambda: max_abs(X), lambda: X.abs().amax(dim=(-2, -1), keepdim=True),
             args.repeats)
 
     for dtype in (torch.bfloat16, torch.float32):

@@ -36,7 +36,7 @@ TIMED = [
     ("dmuon.step.stepper", "update_momentum_of", "momentum"),
     ("dmuon.step.elementwise", "adamw_step", "AdamW"),
     ("dmuon.step.values", "StepValues.inputs", "Nesterov inputs"),
-    ("dmuon.strategies.planned", "start_all_to_all", "pack + start all-to-all"),
+    ("dmuon.strategies.rows", "start_all_to_all", "pack + start all-to-all"),
     ("dmuon.exchange", "PendingExchange.wait", "wait for an all-to-all"),
     ("dmuon.step.values", "StepValues.apply", "apply updates"),
 ]

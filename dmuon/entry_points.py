@@ -13,13 +13,13 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dmuon import param_groups
+from dmuon import loading, param_groups, torch_muon
 from dmuon.agreement import Fingerprint, agreed_call, issued_number, record_number
 from dmuon.exchange import GroupRef, collective_device
 from dmuon.hyperparameters import ROUTE_REASONS, ROUTING_KEYS, EngineOptions, check_use_addmm, validate_defaults
@@ -27,8 +27,17 @@ from dmuon.layout import agreement_group, ranks_holding
 from dmuon.routing import module_roles
 from dmuon.step import Stepper
 
-if TYPE_CHECKING:
-    from dmuon.optimizer import Muon
+
+class Facade(Protocol):
+    """What the entry points read and fill on a :class:`dmuon.Muon`, which declares each."""
+
+    param_groups: list[dict[str, Any]]
+    state: dict
+    defaults: dict[str, Any]
+    _stepper: Stepper
+    _job: GroupRef
+    _process_group: GroupRef
+    _module_roles: dict[int, str]
 
 
 def replica_group(params: Any, process_group: Any) -> dist.ProcessGroup | None:
@@ -57,7 +66,7 @@ def replica_group(params: Any, process_group: Any) -> dist.ProcessGroup | None:
     return process_group
 
 
-def construct(opt: Muon, params: nn.Module | Iterable[Any], defaults: dict[str, Any], options: EngineOptions,
+def construct(opt: Facade, params: nn.Module | Iterable[Any], defaults: dict[str, Any], options: EngineOptions,
               process_group: dist.ProcessGroup | None, use_addmm: bool) -> None:
     """:class:`dmuon.Muon`'s constructor: the groups built and checked, then agreed, the ranks
     also agreeing on the optimizer's number, so that a step of another optimizer is never taken
@@ -93,7 +102,7 @@ def construct(opt: Muon, params: nn.Module | Iterable[Any], defaults: dict[str, 
             param_groups.muon_params(opt.param_groups), device_of(opt), job))
 
 
-def _build(opt: Muon, params: nn.Module | Iterable[Any], defaults: dict[str, Any], options: EngineOptions) -> None:
+def _build(opt: Facade, params: nn.Module | Iterable[Any], defaults: dict[str, Any], options: EngineOptions) -> None:
     """Everything the constructor does before the ranks compare notes (purely local)."""
     validate_defaults(defaults, options)
     param_groups.check_params_type(params)
@@ -110,11 +119,10 @@ def _build(opt: Muon, params: nn.Module | Iterable[Any], defaults: dict[str, Any
                     param_groups.fp16_adamw_warning(opt.param_groups)):
         if warning:
             warnings.warn(warning, stacklevel=6)  # _build <- build <- agreed_call <- construct <- __init__ <- caller
-    opt._stepper.order_buckets(opt.param_groups)
     opt._stepper.check_layouts(opt.param_groups)
 
 
-def add_param_group(opt: Muon, param_group: dict[str, Any]) -> None:
+def add_param_group(opt: Facade, param_group: dict[str, Any]) -> None:
     """:meth:`dmuon.Muon.add_param_group`: agreed, unless torch's constructor calls it (the
     constructor's agreement then covers the group)."""
     named = bool(getattr(opt, "param_groups", None)) and "param_names" in opt.param_groups[0]
@@ -141,7 +149,7 @@ def add_param_group(opt: Muon, param_group: dict[str, Any]) -> None:
     opt._stepper.agreed(opt.param_groups, digest)
 
 
-def _add_stored(opt: Muon, group: dict[str, Any]) -> None:
+def _add_stored(opt: Facade, group: dict[str, Any]) -> None:
     # torch's add_param_group would copy the constructor's defaults into the group, including
     # the adamw_* aliases and nonfinite_grads; every key is filled already.
     defaults, opt.defaults = opt.defaults, {}
@@ -151,7 +159,7 @@ def _add_stored(opt: Muon, group: dict[str, Any]) -> None:
         opt.defaults = defaults
 
 
-def _check_same_ranks(opt: Muon) -> None:
+def _check_same_ranks(opt: Facade) -> None:
     """An added group's parameters live on the optimizer's ranks: its agreement and exchanges
     run over those (an optimizer per set of ranks: a pipeline stage's)."""
     job = opt._job()
@@ -166,23 +174,23 @@ def _check_same_ranks(opt: Muon) -> None:
                              f"parameters on ranks {ranks}: give it an optimizer of its own.")
 
 
-def load_state_dict(opt: Muon, state_dict: dict[str, Any]) -> None:
+def load_state_dict(opt: Facade, state_dict: dict[str, Any]) -> None:
     """:meth:`dmuon.Muon.load_state_dict`: checked, loaded and agreed; on a failure anywhere,
     every rank keeps its old state."""
     kept = opt.state, opt.param_groups
 
     def load() -> Fingerprint:
         loaded = state_dict
-        if param_groups.is_torch_muon_state_dict(state_dict):
-            loaded = param_groups.from_torch_muon(state_dict, opt.param_groups)
-        loaded = param_groups.with_new_keys(loaded, opt.param_groups)
-        param_groups.check_loadable(loaded, opt.param_groups)
+        if torch_muon.is_torch_muon_state_dict(state_dict):
+            loaded = torch_muon.from_torch_muon(state_dict, opt.param_groups)
+        loaded = loading.with_new_keys(loaded, opt.param_groups)
+        loading.check_loadable(loaded, opt.param_groups)
         torch.optim.Optimizer.load_state_dict(opt, loaded)
         # The per-parameter facts are this build's: derived from the groups and parameters, never
         # read from a checkpoint (a flattened one holds another layout's lists; torch.optim.Muon's none).
         for group, before in zip(opt.param_groups, kept[1]):
             group.update({key: before[key] for key in (*ROUTING_KEYS, ROUTE_REASONS, "param_names") if key in before})
-        param_groups.restore_kept_dtypes(loaded, opt.param_groups, opt.state)  # by this build's routes
+        loading.restore_kept_dtypes(loaded, opt.param_groups, opt.state)  # by this build's routes
         return fingerprint(opt)
 
     try:
@@ -193,7 +201,7 @@ def load_state_dict(opt: Muon, state_dict: dict[str, Any]) -> None:
     opt._stepper.agreed(opt.param_groups, digest)
 
 
-def fingerprint(opt: Muon) -> Fingerprint:
+def fingerprint(opt: Facade) -> Fingerprint:
     """What the ranks compare at every entry point: the groups and options
     (:func:`dmuon.param_groups.fingerprint`), the optimizer's number, and what ``ns_dtype=None``
     resolves to (a processor-fit default: ranks on processors of different kinds must not mix dtypes)."""
@@ -203,6 +211,6 @@ def fingerprint(opt: Muon) -> Fingerprint:
             ("what ns_dtype=None resolves to", repr(param_groups.default_dtype_reasons(opt.param_groups)))]
 
 
-def device_of(opt: Muon) -> torch.device:
+def device_of(opt: Facade) -> torch.device:
     """The device the optimizer's collectives run on."""
     return collective_device(getattr(opt, "param_groups", ()), opt._job())

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon.orthogonalization import NS_DTYPES, SYMMETRIC_PRODUCTS, NSConfig, resolve_config
+from dmuon.ns_defaults import NS_DTYPES
+from dmuon.orthogonalization import SYMMETRIC_PRODUCTS, NSConfig, resolve_config
 from dmuon.rules import RULE_OPTIONS, check_rule_name
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")

@@ -276,6 +276,18 @@ def _group_ranks(process_group: dist.ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(process_group))
 
 
+def _replicated_layout(param: Tensor, process_group: dist.ProcessGroup | None
+                       ) -> tuple[Layout, dist.ProcessGroup | None]:
+    """A plain tensor's layout: a replica on every rank of ``process_group`` (the world's by default)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return Layout(tuple(param.shape), 1, 1, (0,)), None
+    exchange_group = process_group or dist.group.WORLD
+    ranks = _group_ranks(exchange_group)
+    if len(ranks) == 1:
+        return Layout(tuple(param.shape), 1, 1, ranks), None
+    return Layout(tuple(param.shape), len(ranks), 1, ranks), exchange_group
+
+
 def detect_layout(
     param: Tensor, name: str, process_group: dist.ProcessGroup | None, *, split_replicas: bool,
     stack: bool = False,
@@ -293,14 +305,7 @@ def detect_layout(
         rank = dist.get_rank() if dist.is_initialized() else 0
         return Layout(tuple(param.to_local().shape), 1, 1, (rank,)), None
     if not isinstance(param, DTensor):
-        if not dist.is_available() or not dist.is_initialized():
-            return Layout(tuple(param.shape), 1, 1, (0,)), None
-        exchange_group = process_group or dist.group.WORLD
-        ranks = _group_ranks(exchange_group)
-        if len(ranks) == 1:
-            return Layout(tuple(param.shape), 1, 1, ranks), None
-        return Layout(tuple(param.shape), len(ranks), 1, ranks), exchange_group
-
+        return _replicated_layout(param, process_group)
     mesh, placements = param.device_mesh, tuple(param.placements)
     shape = tuple(param.shape)
     if len(placements) == 1 and type(placements[0]) is Shard and placements[0].dim == 0:

@@ -12,10 +12,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dmuon import entry_points, param_groups
+from dmuon.exchange import GroupRef
 from dmuon.hyperparameters import EngineOptions, reject_unknown_keywords
 from dmuon.orthogonalization import NORMALIZATION_EPS
 from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan
 from dmuon.routing import Route
+from dmuon.step import Stepper
 from dmuon.step.engine import StepStats
 
 
@@ -28,17 +30,16 @@ class Muon(torch.optim.Optimizer):
     2. ``O = NS(M)``, approximately U·Vᵀ for M = U·Σ·Vᵀ (:func:`dmuon.newton_schulz`);
     3. ``W ← W·(1 − lr·wd) − lr·r(m, n)·O``, r from ``adjust_lr_fn``.
 
-    Embeddings, output heads, norms, biases and scalars get AdamW in the same object; conv
-    kernels are flattened to (out, in·k…), 3-D stacks are batches of matrices (rules:
-    :mod:`dmuon.routing`, :meth:`routing_summary`). With ``adjust_lr_fn="match_rms_adamw"`` the
-    Muon update has AdamW's RMS, so an AdamW run's lr and weight decay carry over unchanged.
-    Under torch.distributed every matrix is orthogonalized once in the job, by the rank the step
-    plan makes its owner, and AdamW runs while the last bucket's exchange is in flight; the
-    step itself is :class:`dmuon.step.Stepper`'s. Construction, ``add_param_group``,
-    ``load_state_dict`` and ``step`` are collective: each first checks that the ranks agree
-    (:mod:`dmuon.entry_points`). A parameter whose ``grad`` is None is left alone, as in torch.optim.
-    ``torch.optim.Muon``'s behaviour: ``ns_coefficients="keller"``, ``ns_method="standard"``,
-    ``ns_dtype=torch.bfloat16``, ``adjust_lr_fn="original"``.
+    Embeddings, output heads, norms, biases and scalars get AdamW in the same object; conv kernels
+    are flattened to (out, in·k…), 3-D stacks are batches of matrices (:mod:`dmuon.routing`,
+    :meth:`routing_summary`). With ``adjust_lr_fn="match_rms_adamw"`` the Muon update has AdamW's
+    RMS, so an AdamW run's lr and weight decay carry over. Under torch.distributed every matrix is
+    orthogonalized once in the job, by its owner, AdamW running while the last bucket's exchange
+    is in flight (:class:`dmuon.step.Stepper`). Construction, ``add_param_group``,
+    ``load_state_dict`` and ``step`` are collective: the ranks first agree (:mod:`dmuon.entry_points`).
+    A parameter whose ``grad`` is None is left alone, as in torch.optim. ``torch.optim.Muon``'s
+    behaviour: ``ns_coefficients="keller"``, ``ns_method="standard"``, ``ns_dtype=torch.bfloat16``,
+    ``adjust_lr_fn="original"``.
 
     Args:
         params: an ``nn.Module`` (recommended: routing sees module types and names), its
@@ -93,6 +94,11 @@ class Muon(torch.optim.Optimizer):
             ``process_group`` that is not a ``ProcessGroup``.
     """
 
+    _stepper: Stepper  # the step's owner; these four filled by dmuon.entry_points.construct
+    _job: GroupRef  # the ranks the optimizer agrees over
+    _process_group: GroupRef  # the ranks that hold the plain (replicated) tensors
+    _module_roles: dict[int, str]  # routing's view of the model's modules, while construction routes
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Muon:
         reject_unknown_keywords(cls, kwargs)
         return super().__new__(cls)
@@ -140,15 +146,12 @@ class Muon(torch.optim.Optimizer):
             adamw_weight_decay=adamw_weight_decay, nonfinite_grads=nonfinite_grads)
         options = EngineOptions(comm_dtype, bucket_bytes, replica_split, distributed_ns, symmetric_products, compile,
                                 cuda_graphs, early_start)
-        # sets _stepper (the step's owner), _job and _process_group (the agreement's and the replicas' groups)
         entry_points.construct(self, params, defaults, options, process_group, use_addmm)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add one group (collective under torch.distributed: every rank calls it, with the same
-        Muon parameters and options, and the ranks compare them before anything changes).
-
-        The group stays one group: each parameter in it is routed to Muon or AdamW
-        (:meth:`routing_summary`), unless its ``"algorithm"`` key sends all of them to one."""
+        """Add one group (collective: every rank calls it, with the same Muon parameters and options,
+        compared before anything changes). It stays one group: each parameter is routed to Muon or
+        AdamW (:meth:`routing_summary`), unless its ``"algorithm"`` key sends all of them to one."""
         entry_points.add_param_group(self, param_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -167,10 +170,6 @@ class Muon(torch.optim.Optimizer):
         left_out = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
         return {k: v for k, v in self.__dict__.items() if k not in left_out}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._stepper.order_buckets(self.param_groups)
-
     # torch.compile(opt.step) would trace a step's collectives and host logic: it runs eagerly (compile=True compiles)
     @torch.compiler.disable
     @torch.no_grad()
@@ -185,10 +184,9 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's ``zero_grad``; then early start and what follows the steps (a
-        :class:`dmuon.QKClip`) drop what they took of the gradients that are gone. Local, but
-        where FSDP2 was left in a backward pass that raised (caught on every rank at the same
-        point), it first finishes that pass as FSDP2 does when one completes (collective)."""
+        """torch's ``zero_grad``; then early start and a :class:`dmuon.QKClip` drop what they took of
+        the gradients. Local, but where FSDP2 was left in a backward pass that raised (caught on
+        every rank at the same point), it first finishes that pass as FSDP2 does (collective)."""
         self._stepper.zero_grad(partial(super().zero_grad, set_to_none))
 
     def register_ddp_comm_hook(self, model: nn.Module) -> None:
@@ -245,6 +243,11 @@ class Muon(torch.optim.Optimizer):
         return plans[0]
 
     @property
+    def stepper(self) -> Stepper:
+        """The step's owner, for what follows the steps (a :class:`dmuon.QKClip` joins its agreement)."""
+        return self._stepper
+
+    @property
     def last_step_stats(self) -> StepStats:
         """This rank's matrices orthogonalized, NS FLOPs and seconds, bytes sent and collectives, last step."""
         return self._stepper.stats
@@ -253,10 +256,9 @@ class Muon(torch.optim.Optimizer):
         """The last step in numbers, for logging: ``muon/update_rms/<group>`` (the Muon update's
         RMS before the lr, about 0.2 with ``match_rms_adamw``), ``lr/<group>``, ``ns_seconds``,
         ``ns_gflop``, ``matrices``, ``bytes_sent``, ``collectives``, ``skipped_steps``, and a
-        :class:`dmuon.QKClip`'s ``qk_clip/…``. ``<group>``: the group's ``"name"`` or index.
-
-        This rank's figures by default (no collective); ``all_ranks=True`` (collective) makes
-        them the job's: RMS over whole matrices, sums of counts, the slowest ``ns_seconds``."""
+        :class:`dmuon.QKClip`'s ``qk_clip/…``. ``<group>``: the group's ``"name"`` or index. This
+        rank's figures by default (no collective); ``all_ranks=True`` (collective) makes them the
+        job's: RMS over whole matrices, sums of counts, the slowest ``ns_seconds``."""
         label = partial(param_groups.label_of, self.param_groups)
         return self._stepper.statistics(self.param_groups, label, all_ranks)
 

@@ -27,307 +27,43 @@ every shape tested (tests/unit/test_numerics_edge_cases.py; docs/concepts.md, "E
 
 from __future__ import annotations
 
-import functools
-import math
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from dmuon.coefficients import (
+    Coefficients,
+    CoefficientsSpec,
+    check_bounded,
+    coefficient_schedule,
+    default_gram_restarts,
+    validate_restarts,
+)
+from dmuon.ns_defaults import NS_DTYPES, Method, choose_method
 from dmuon.triton_kernels import symmetric_baddbmm, symmetric_gram, triton_usable
-
-Coefficients = tuple[float, float, float]
-CoefficientsSpec = str | Coefficients | Sequence[Coefficients]
-Method = Literal["standard", "gram"]
-
-# Keller Jordan's Muon quintic, used at every step (torch.optim.Muon's default).
-KELLER: tuple[Coefficients, ...] = ((3.4445, -4.7750, 2.0315),)
-
-# You Jiacheng's five-step schedule; later steps repeat the last polynomial.
-YOU: tuple[Coefficients, ...] = (
-    (4.0848, -6.8946, 2.9270),
-    (3.9505, -6.3029, 2.6377),
-    (3.7418, -5.5913, 2.3037),
-    (2.8769, -3.1427, 1.2046),
-    (2.8366, -3.0525, 1.2012),
-)
-
-# Polar Express (Amsel et al., arXiv 2505.16932): the minimax-optimal quintic of each step for
-# singular values in [1e-3, 1], *unscaled*. The safety factor is applied in code
-# (polar_express_schedule); never store a scaled table — one published copy has wrong c values.
-POLAR_EXPRESS_RAW: tuple[Coefficients, ...] = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
-)
-
-# Rounding can leave ‖X‖₂ slightly above 1; p(x/s) instead of p(x) keeps such inputs bounded
-# (the 5-step composition then diverges only from ≈1.055 on).
-POLAR_EXPRESS_SAFETY = 1.05
-
-# The schedule fitted to AOL rescaling (ns_coefficients="aol", 4 steps unless ns_steps says
-# otherwise), raw: the safety factor is applied in code as for Polar Express. Fitted by
-# `python benchmarks/fit_aol.py`: greedy minimax quintics from singular values in [5.62e-3, 1], that
-# lower end chosen for the lowest mean polar error over Gaussian, ill-conditioned and the bench
-# model's gradient matrices (docs/numerics.md, "AOL rescaling").
-AOL_RAW: tuple[Coefficients, ...] = (
-    (8.271131696998093, -24.321171449248226, 18.002951968737424),
-    (3.8775457156920847, -2.8950497455278184, 0.5564350263675303),
-    (3.0904709913173183, -2.316678742047248, 0.4907467595871337),
-    (2.1355142931153575, -1.5163383578575178, 0.40248554145362275),
-)
-AOL_STEPS = 4
-
-# DeepSeek-V4's schedule (ns_coefficients="deepseek_v4"): Keller's quintic for fast growth of the
-# small singular values, then two steps of a quintic with 1 as a fixed point of zero slope
-# (p(1) = 1, p'(1) = 0), which pull the values Keller's leaves in about [0.7, 1.2] to 1. 8 + 2
-# steps unless ns_steps says otherwise; the last two always stabilize.
-STABILIZING: Coefficients = (2.0, -1.5, 0.5)
-DEEPSEEK_V4_STEPS = 10
-
-NAMED_COEFFICIENTS = ("polar_express", "keller", "you", "aol", "deepseek_v4")
-
-# Gram NS restart steps (0-based: restart *before* that step) measured to keep fp16 Gram NS
-# stable for a named schedule; the best position depends on the schedule (docs/numerics.md §Gram NS and restarts).
-_MEASURED_GRAM_RESTARTS: dict[tuple[str, int], tuple[int, ...]] = {
-    ("polar_express", 5): (2,),
-    ("keller", 5): (3,),
-    ("polar_express", 8): (1, 3),
-}
-
-# `method="auto"` picks Gram NS from this aspect ratio max(m, n)/min(m, n) on, by device type.
-# CUDA: the FLOP ratio and GPU timings from outside the project (Gram 20–26 % slower when square,
-# 0.67× at α = 4; docs/numerics.md §Compute dtype and method choice); CPU: measured with
-# `dmuon.newton_schulz` in fp32 on a 2-core AMD EPYC (`python benchmarks/newton_schulz_methods.py`;
-# the figures in docs/numerics.md).
-# bf16 always runs standard NS (Gram NS is unstable in bf16).
-GRAM_MIN_ASPECT: dict[str, float] = {"cuda": 2.0, "cpu": 2.0}
 
 NORMALIZATION_EPS = 1e-7
 
 
-def polar_express_schedule(steps: int, safety: float = POLAR_EXPRESS_SAFETY,
-                           raw: Sequence[Coefficients] = POLAR_EXPRESS_RAW) -> list[Coefficients]:
-    """The Polar Express schedule (or another ``raw`` table fitted the same way, AOL's) for
-    ``steps`` steps with p(x) replaced by p(x/safety).
-
-    p(x/s) = (a/s)·x + (b/s³)·x³ + (c/s⁵)·x⁵; steps beyond the table repeat its last polynomial.
-    """
-    if not safety >= 1.0:
-        raise ValueError(f"Invalid {safety=}. Must be >= 1.0.")
-    chosen = [raw[min(t, len(raw) - 1)] for t in range(steps)]
-    return [(a / safety, b / safety**3, c / safety**5) for a, b, c in chosen]
-
-
-def default_steps(coefficients: CoefficientsSpec) -> int:
-    """The steps a recipe takes where ``ns_steps`` is None: 4 for "aol", 10 for "deepseek_v4",
-    else 5 (torch.optim.Muon's)."""
-    if isinstance(coefficients, str):
-        return {"aol": AOL_STEPS, "deepseek_v4": DEEPSEEK_V4_STEPS}.get(coefficients, 5)
-    return 5
-
-
-def _validate_steps(steps: int) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < 100:
-        raise ValueError(f"Invalid ns_steps={steps!r}. Must be an int in [1, 100), or None.")  # torch's bound
-
-
-def _as_triple(item: object) -> Coefficients:
-    if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 3:
-        raise ValueError(f"Invalid Newton–Schulz coefficients {item!r}. Each step needs (a, b, c).")
-    triple = tuple(float(v) for v in item)
-    if not all(math.isfinite(v) for v in triple):
-        raise ValueError(f"Invalid Newton–Schulz coefficients {item!r}. Must be finite.")
-    return triple  # type: ignore[return-value]
-
-
-def coefficient_schedule(coefficients: CoefficientsSpec, steps: int | None) -> tuple[Coefficients, ...]:
-    """The (a, b, c) of every step, ``steps`` long (None: :func:`default_steps`).
-
-    ``coefficients`` is a name in NAMED_COEFFICIENTS, one (a, b, c) used at every step, or a
-    sequence of at most ``steps`` triples whose last one repeats.
-    """
-    steps = default_steps(coefficients) if steps is None else steps
-    _validate_steps(steps)
-    if isinstance(coefficients, str):
-        if coefficients in ("polar_express", "aol"):
-            raw = POLAR_EXPRESS_RAW if coefficients == "polar_express" else AOL_RAW
-            return tuple(polar_express_schedule(steps, raw=raw))
-        if coefficients == "deepseek_v4":
-            if steps < 3:
-                raise ValueError(f"Invalid ns_steps={steps} for ns_coefficients='deepseek_v4'. Must be >= 3: its last "
-                                 "two steps stabilize what Keller's steps before them reach.")
-            return (*KELLER * (steps - 2), STABILIZING, STABILIZING)
-        table = {"keller": KELLER, "you": YOU}.get(coefficients)
-        if table is None:
-            raise ValueError(
-                f"Invalid ns_coefficients={coefficients!r}. Must be one of {NAMED_COEFFICIENTS} "
-                "or (a, b, c) triples."
-            )
-    elif (
-        isinstance(coefficients, Sequence)
-        and len(coefficients) == 3
-        and all(isinstance(v, (int, float)) for v in coefficients)
-    ):
-        table = (_as_triple(coefficients),)
-    elif isinstance(coefficients, Sequence) and len(coefficients) > 0:
-        table = tuple(_as_triple(item) for item in coefficients)
-        if len(table) > steps:
-            raise ValueError(
-                f"Invalid ns_coefficients: {len(table)} steps given but ns_steps={steps}."
-            )
-    else:
-        raise ValueError(
-            f"Invalid ns_coefficients={coefficients!r}. Must be one of {NAMED_COEFFICIENTS} "
-            "or (a, b, c) triples."
-        )
-    return tuple(table[min(t, len(table) - 1)] for t in range(steps))
-
-
-# A Newton–Schulz input has its singular values in [0, 1] (it is divided by its Frobenius norm).
-# Where a schedule's composed polynomial leaves [−SCHEDULE_BOUND, SCHEDULE_BOUND] on [0, 1] after
-# some step, the next odd quintics raise those singular values to the fifth power and the weights
-# turn inf or NaN within a few steps. The named schedules stay below 2 (Polar Express's first step
-# peaks at 1.99, You's at 1.27, Keller's at 1.20, for 1 to 100 steps).
-SCHEDULE_BOUND = 4.0
-_SCHEDULE_GRID = 4097
-
-
-@functools.lru_cache(maxsize=256)
-def check_bounded(schedule: tuple[Coefficients, ...]) -> None:
-    """Raise a ValueError if the composed polynomials of ``schedule`` leave
-    [−SCHEDULE_BOUND, SCHEDULE_BOUND] for some singular value in [0, 1] after some step."""
-    x = torch.linspace(0.0, 1.0, _SCHEDULE_GRID, dtype=torch.float64)
-    y = x
-    for t, (a, b, c) in enumerate(schedule):
-        square = y * y
-        y = y * (a + square * (b + c * square))
-        peak = y.abs().max().item()
-        if not peak <= SCHEDULE_BOUND:  # NaN too
-            worst = x[y.abs().nan_to_num(float("inf")).argmax()].item()
-            raise ValueError(
-                f"Invalid ns_coefficients: after step {t + 1} the Newton–Schulz polynomial maps the singular value "
-                f"{worst:.3g} to {peak:.3g}, beyond ±{SCHEDULE_BOUND} (a sound schedule keeps every singular value "
-                "in [0, 1] near 1); the weights would turn inf or NaN.")
-
-
-NS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def default_gram_restarts(coefficients: CoefficientsSpec, steps: int) -> tuple[int, ...]:
-    """Steps before which Gram NS restarts, for a schedule.
-
-    Measured positions where known; otherwise before step 2 and every second step after it,
-    while at least two steps follow (a restart costs two passes over the long side, so one
-    in the last step would not pay for itself). docs/numerics.md §Gram Newton–Schulz and
-    restarts says how close this rule came to the best positions found by search
-    (tests/unit/test_orthogonalization.py holds it below the error of standard NS in bf16).
-    """
-    if isinstance(coefficients, str) and (coefficients, steps) in _MEASURED_GRAM_RESTARTS:
-        return _MEASURED_GRAM_RESTARTS[(coefficients, steps)]
-    return tuple(range(2, steps - 1, 2))
-
-
-def _validate_restarts(restarts: Sequence[int], steps: int) -> tuple[int, ...]:
-    positions = tuple(sorted(set(int(r) for r in restarts)))
-    if any(not 1 <= r < steps for r in positions):
-        raise ValueError(f"Invalid gram restarts {tuple(restarts)}. Each must be in [1, {steps - 1}].")
-    return positions
-
-
-# DMUON_CPU_BF16=native|emulated overrides the detection (heterogeneous jobs, tests of the other case)
-CPU_BF16_OVERRIDE = "DMUON_CPU_BF16"
-
-
-@functools.cache
-def _cpu_bf16_native() -> bool:
-    forced = os.environ.get(CPU_BF16_OVERRIDE, "")
-    if forced:
-        if forced not in ("native", "emulated"):
-            raise ValueError(f"Invalid {CPU_BF16_OVERRIDE}={forced!r}. Must be 'native' or 'emulated'.")
-        return forced == "native"
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
-
-
-def native_bf16(device_type: str) -> bool:
-    """Whether bf16 products run natively on ``device_type``: CUDA, or a CPU with AVX512-BF16 or
-    AMX. Other CPUs emulate them at about a tenth of their fp32 rate (docs/options.md, ``ns_dtype``)."""
-    return device_type == "cuda" or (device_type == "cpu" and _cpu_bf16_native())
-
-
-def default_dtype(device_type: str, method: str) -> torch.dtype:
-    """Compute dtype when none is given (``ns_dtype=None``); :func:`default_dtype_reason` says why.
-
-    CUDA: fp16 (tensor-core speed with less rounding error than bf16; Gram NS requires it).
-    CPU: bf16 for standard NS where bf16 products are native (AVX512-BF16, AMX: faster than
-    fp32), fp32 where they are emulated; fp32 for Gram NS, since bf16 Gram NS is unstable and
-    fp16 products are emulated (slow) on CPU. The figures are in docs/numerics.md §Compute dtype
-    and method choice.
-    """
-    if device_type == "cuda":
-        return torch.float16
-    return torch.bfloat16 if method != "gram" and native_bf16(device_type) else torch.float32
-
-
-def default_dtype_reason(device_type: str) -> str:
-    """One line: what ``ns_dtype=None`` resolves to on ``device_type``, and why."""
-    if device_type == "cuda":
-        return "ns_dtype=None on cuda: float16 (tensor cores; 8x less rounding than bfloat16)"
-    if native_bf16(device_type):
-        return ("ns_dtype=None on this CPU: bfloat16 for standard Newton-Schulz (AVX512-BF16/AMX: bf16 products "
-                "are native), float32 for Gram")
-    return ("ns_dtype=None on this CPU: float32 (no AVX512-BF16 or AMX: bf16 products are emulated at about a "
-            "tenth of fp32's rate)")
-
-
-def choose_method(
-    shape: Sequence[int], method: str, dtype: torch.dtype | None, device_type: str
-) -> tuple[Method, torch.dtype]:
-    """Resolve ``method`` ("auto", "standard", "gram") and the compute dtype for one matrix shape."""
-    if method not in ("auto", "standard", "gram"):
-        raise ValueError(f"Invalid ns_method={method!r}. Must be 'auto', 'standard' or 'gram'.")
-    if method == "auto":
-        compute_dtype = dtype if dtype is not None else default_dtype(device_type, "standard")
-        m, n = sorted(shape[-2:])
-        aspect = n / max(m, 1)
-        wide_enough = aspect >= GRAM_MIN_ASPECT.get(device_type, GRAM_MIN_ASPECT["cuda"])
-        resolved: Method = "gram" if wide_enough and compute_dtype != torch.bfloat16 else "standard"
-        return resolved, compute_dtype
-    compute_dtype = dtype if dtype is not None else default_dtype(device_type, method)
-    if method == "gram" and compute_dtype == torch.bfloat16:
-        raise ValueError(
-            "Invalid ns_dtype=torch.bfloat16 for ns_method='gram': Gram NS amplifies bf16 rounding "
-            "(σ_max up to 2.2, blow-ups without restarts). Use float16 or float32."
-        )
-    return method, compute_dtype  # type: ignore[return-value]
-
-
 # Bit layout of the work dtypes: (integer view, exponent field mask, mantissa bits, exponent bias).
-_EXPONENT_FIELD = {
+EXPONENT_FIELD = {
     torch.float32: (torch.int32, 0x7F800000, 23, 127),
     torch.float64: (torch.int64, 0x7FF0000000000000, 52, 1023),
 }
 
 
-def _power_of_two_scale(amax: Tensor) -> Tensor:
+def power_of_two_scale(amax: Tensor) -> Tensor:
     """2^⌊log₂ amax⌋ (amax ≥ 0), at least the dtype's smallest normal number: the exponent bits
     of ``amax`` alone (inf for inf or NaN). Dividing by it is exact: it only shifts exponents."""
-    int_dtype, mask, _, _ = _EXPONENT_FIELD[amax.dtype]
+    int_dtype, mask, _, _ = EXPONENT_FIELD[amax.dtype]
     scale = (amax.view(int_dtype) & mask).view(amax.dtype)
     return scale.clamp_min(torch.finfo(amax.dtype).tiny)
 
 
-def _max_abs(X: Tensor) -> Tensor:
+def max_abs(X: Tensor) -> Tensor:
     """max |X| per matrix of a stack ``(B, m, n)``, shaped (B, 1, 1); 0 for empty matrices.
 
     As max(max X, −min X): two reads and no |X| temporary (faster than ``X.abs().amax()``;
@@ -359,7 +95,7 @@ def normalize(G: Tensor, eps: float = NORMALIZATION_EPS) -> Tensor:
     """
     work_dtype = torch.promote_types(G.dtype, torch.float32)
     X = G.to(work_dtype)
-    if work_dtype not in _EXPONENT_FIELD or X.ndim < 2:
+    if work_dtype not in EXPONENT_FIELD or X.ndim < 2:
         return X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
     if X.device.type != "cpu" or torch.compiler.is_compiling():  # no data-dependent branch in a graph
         return _normalize_scaled(X, eps)
@@ -376,7 +112,7 @@ def normalize(G: Tensor, eps: float = NORMALIZATION_EPS) -> Tensor:
 def _normalize_scaled(X: Tensor, eps: float) -> Tensor:
     """:func:`normalize` by the scaled formula, for every matrix of ``X``."""
     stack = X.reshape(-1, *X.shape[-2:])
-    scale = _power_of_two_scale(_max_abs(stack)).reshape(*X.shape[:-2], 1, 1)
+    scale = power_of_two_scale(max_abs(stack)).reshape(*X.shape[:-2], 1, 1)
     Y = X / scale
     return Y / (torch.linalg.matrix_norm(Y, keepdim=True) + eps / scale)
 
@@ -443,7 +179,7 @@ def _local_gram(X: Tensor) -> Tensor:
 SymmetricProduct = Callable[..., Tensor]
 
 
-def _products(config: NSConfig) -> tuple[Callable[[Tensor], Tensor], SymmetricProduct]:
+def products(config: NSConfig) -> tuple[Callable[[Tensor], Tensor], SymmetricProduct]:
     """The Gram and symmetric-product kernels ``config.symmetric`` asks for."""
     if config.symmetric == "triton":
         return symmetric_gram, symmetric_baddbmm
@@ -547,7 +283,7 @@ def resolve_config(
     resolved, compute_dtype = choose_method(shape, method, dtype, device_type)
     if resolved == "gram":
         restarts = default_gram_restarts(coefficients, len(schedule)) if restarts is None else restarts
-        positions = _validate_restarts(restarts, len(schedule))
+        positions = validate_restarts(restarts, len(schedule))
     else:
         positions = ()
     return NSConfig(schedule, resolved, compute_dtype, positions, float(eps), symmetric, aol=coefficients == "aol")
@@ -604,8 +340,8 @@ def _orthogonalize_stack(stack: Tensor, config: NSConfig) -> Tensor:
         X = _transposed(X)
     m, n = X.shape[-2:]
     X = _aligned(X)
-    gram, symmetric = _products(config)
-    X = _iterate(X, config, gram, symmetric)
+    gram, symmetric = products(config)
+    X = iterate(X, config, gram, symmetric)
     X = X[:, :m, :n]
     # a tall result is the transpose of what the products left: the caller lays it out row-major
     # in its cast (one pass over the narrow dtype), not in every later copy of its rows. Always
@@ -652,69 +388,7 @@ def _transposed(X: Tensor) -> Tensor:
     return out
 
 
-def gram_all_reduces(config: NSConfig) -> int:
-    """Gram-matrix all-reduces :func:`orthogonalize_column_blocks` makes: Gram NS at the start
-    and at each restart, standard NS at every step."""
-    return 1 + len(config.restarts) if config.method == "gram" else config.steps
-
-
-def _normalize_column_blocks(X: Tensor, eps: float, all_reduce: Callable[[Tensor], Tensor]) -> Tensor:
-    """:func:`normalize` of a stack ``(B, m, n)`` that ranks hold as column blocks ``X``
-    ``(B, m, n_r)`` (fp32 or fp64), with one all-reduce; this rank's columns of the result.
-
-    No rank knows the global max|X| that :func:`normalize` scales by, and ``all_reduce`` only
-    sums; so each rank sums its squares scaled by its own power of two 2^e_r (which cannot
-    overflow) into slot e_r of a vector of every exponent, the ranks sum those vectors, and
-    every rank reads off the same largest exponent E and ‖X‖_F/2^E = √(Σ_e S_e·4^(e−E)). The
-    vector has 256 entries per matrix in fp32 (1 KiB on the wire; 2048 in fp64), a single
-    collective as before.
-    """
-    int_dtype, _, shift, bias = _EXPONENT_FIELD[X.dtype]
-    levels = 2 * bias + 2  # biased exponents 0 … 2·bias+1 (the last one: inf and NaN)
-    local_scale = _power_of_two_scale(_max_abs(X))
-    level = (local_scale.view(int_dtype) >> shift).reshape(-1, 1).long()
-    squares = (X / local_scale).square().sum(dim=(-2, -1)).reshape(-1, 1)
-    sums = all_reduce(X.new_zeros(X.shape[0], levels).scatter_(1, level, squares))
-    exponents = torch.arange(levels, device=X.device)
-    top = torch.where(sums != 0, exponents, 0).amax(dim=1, keepdim=True).clamp_min(1)  # E, biased
-    # 4^(e − E) for e ≤ E as bits (exact powers of two; 0 below the smallest normal, where the
-    # terms are negligible, and above E, where there are none)
-    relative = (2 * (exponents - top) + bias).clamp(0, bias)
-    weights = (relative << shift).to(int_dtype).view(X.dtype)
-    scaled_norm = (sums * weights).sum(dim=1).sqrt().reshape(-1, 1, 1)
-    scale = (top << shift).to(int_dtype).view(X.dtype).reshape(-1, 1, 1)
-    return (X / scale) / (scaled_norm + eps / scale)
-
-
-def orthogonalize_column_blocks(X_local: Tensor, config: NSConfig, all_reduce: Callable[[Tensor], Tensor]) -> Tensor:
-    """Distributed Newton–Schulz of a stack X ``(B, m, n)`` that ranks hold as column blocks
-    ``X_local`` ``(B, m, n_r)``; returns this rank's columns of the result.
-
-    Every product NS needs of the long dimension is a Gram matrix X·Xᵀ = Σ_r X_r·X_rᵀ, and every
-    update is (m×m)·X_r: so the ranks all-reduce the m×m partial Gram matrices (and, once, the
-    squared norms: :func:`_normalize_column_blocks`), run the m×m recurrence identically, and
-    apply it to their own columns. Gram NS needs the all-reduce only at the start and at
-    restarts; standard NS at every step. A row-split X
-    goes through as its transpose (``orthogonalize_column_blocks(X_r.mT, ...).mT``), with
-    Gram side n. ``all_reduce(t)`` returns the sum of ``t`` over the ranks (fp32 on the wire:
-    partial sums of low-precision products lose less that way). Equal to :func:`orthogonalize`
-    up to the order of the sums.
-    """
-    if X_local.ndim != 3:
-        raise ValueError(f"orthogonalize_column_blocks takes a stack (B, m, n_local), got shape "
-                         f"{tuple(X_local.shape)}.")
-    X = _normalize_column_blocks(X_local.to(torch.promote_types(X_local.dtype, torch.float32)), config.eps,
-                                 all_reduce).to(config.dtype)
-
-    local_gram, symmetric = _products(config)
-
-    def gram(Y: Tensor) -> Tensor:
-        return all_reduce(local_gram(Y).float()).to(Y.dtype)
-
-    return _iterate(X, config, gram, symmetric).to(X_local.dtype)
-
-
-def _iterate(X: Tensor, config: NSConfig, gram: Callable[[Tensor], Tensor], symmetric: SymmetricProduct) -> Tensor:
+def iterate(X: Tensor, config: NSConfig, gram: Callable[[Tensor], Tensor], symmetric: SymmetricProduct) -> Tensor:
     """The Newton–Schulz steps of ``config`` on a normalized stack, after AOL rescaling where the
     recipe asks for it (its Gram matrix then serves the first step)."""
     first = None

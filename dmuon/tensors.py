@@ -101,3 +101,23 @@ def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
             return finite
         flags[chosen] = finite
     return flags
+
+
+# A position-weighted sum of a tensor's bits: equal values in another order give another digest.
+_DIGEST_CHUNK = 1 << 22
+_INTEGER_VIEWS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MULTIPLIER, _OFFSET = -7046029254386353131, 7146057691288625177  # 0x9E3779B97F4A7C15 as int64, 0x632BE59BD9B4E019
+
+
+def value_digest(t: Tensor) -> int:
+    """A 64-bit digest of ``t``'s values, bit for bit and position by position: integer
+    arithmetic modulo 2⁶⁴, so every rank gets the same number for the same bits whatever the
+    order of the sums."""
+    bits = t.detach().reshape(-1).view(_INTEGER_VIEWS[t.element_size()]).to(torch.int64)
+    total = 0
+    for start in range(0, bits.numel(), _DIGEST_CHUNK):
+        chunk = bits[start: start + _DIGEST_CHUNK]
+        positions = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device)
+        weights = (positions * _MULTIPLIER + _OFFSET) | 1  # odd, wrapping in int64
+        total = (total + int((chunk * weights).sum())) % (1 << 64)
+    return total

@@ -165,7 +165,7 @@ class GradientReduction:
         in ``param.grad``, as they get it, and (with None) that the backward pass they came from
         raised, so that none of them is final. While one listens (and not across replicas), a
         layer's reduce is waited for when the next layer's starts, in the backward pass, instead
-        of all at its end, so that the owner can start on it (:mod:`dmuon.step.early_start`). Returns
+        of all at its end, so that the owner can start on it (:mod:`dmuon.step.early`). Returns
         the handle that stops it."""
         handle = RemovableHandle(self._final_listeners)
         self._final_listeners[handle.id] = listener

@@ -130,6 +130,15 @@ def plan_setup(model: nn.Module, params: Iterable[nn.Parameter] | None, layers: 
     return Setup(grouped, ordered, positions, rest)
 
 
+def setup_fingerprint(setup: Setup, model: nn.Module, reshard_after_forward: bool) -> list[tuple[str, str]]:
+    """What the ranks compare before they shard: every owner-sharded parameter, its layer, the options."""
+    fingerprint = [(f"owner-sharded parameter {name!r}", f"{tuple(p.shape)} {p.dtype} in layer {layer}")
+                   for layer, _, members in setup.layers for name, p in members]
+    rest_ids = {id(p) for p in setup.rest or ()}
+    rest = [n for n, p in model.named_parameters() if id(p) in rest_ids]
+    return [*fingerprint, ("options", repr((reshard_after_forward, rest)))]
+
+
 def shard_by_owner(
     model: nn.Module,
     mesh_or_group: dist.ProcessGroup | object | None = None,
@@ -142,9 +151,8 @@ def shard_by_owner(
 ) -> OwnerSharding:
     """Store each Muon weight matrix of ``model`` whole on one owner rank (:mod:`dmuon.owner`).
 
-    Call it after moving the model to its device (non-owners' tensors have no storage to move
-    afterwards), before ``fully_shard`` and before creating the optimizer; every rank must call it
-    with the same model.
+    Call it on every rank with the same model, after moving it to its device (non-owners' tensors
+    have no storage to move afterwards), before ``fully_shard`` and creating the optimizer.
 
     Args:
         model: the model, on its device.
@@ -177,12 +185,7 @@ def shard_by_owner(
 
     def local_part() -> list[tuple[str, str]]:
         planned.append(plan_setup(model, params, layers, len(holder_ranks), replicate_rest))
-        setup = planned[0]
-        fingerprint = [(f"owner-sharded parameter {name!r}", f"{tuple(p.shape)} {p.dtype} in layer {layer}")
-                       for layer, _, members in setup.layers for name, p in members]
-        rest_ids = {id(p) for p in setup.rest or ()}
-        rest = [n for n, p in model.named_parameters() if id(p) in rest_ids]
-        return [*fingerprint, ("options", repr((reshard_after_forward, rest)))]
+        return setup_fingerprint(planned[0], model, reshard_after_forward)
 
     def device() -> torch.device:
         ordered = planned[0].ordered if planned else []

@@ -8,7 +8,7 @@ Newton–Schulz function, the wire dtype, this step's counters).
 
 The run is staged (:meth:`Engine.stages`): a strategy that runs bucket by bucket (the planned
 exchange) stops before it first reads each bucket's inputs. It has two drivers: :meth:`Engine.run`
-takes every stage at ``step()``; early start (:mod:`dmuon.step.early_start`) takes each stage
+takes every stage at ``step()``; early start (:mod:`dmuon.step.early`) takes each stage
 from a gradient hook once the bucket's gradients are final, during the backward pass, and the
 rest at ``step()``. Either way every rank issues the same calls in the same order.
 """

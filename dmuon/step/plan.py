@@ -5,7 +5,7 @@ blocks), the orientation the exchange sees, the lr factor, and the cost model's 
 whether HSDP replicas split the work, which 1-D sharded matrices run distributed
 Newton–Schulz on their column blocks, which matrices are split over gangs of ranks — and from
 those the strategies (:mod:`dmuon.strategies`) with their owners, buckets and process groups. It is
-the one place that decides: the cost model's choices come from :func:`dmuon.planner.choose`,
+the one place that decides: the cost model's choices come from :func:`dmuon.choices.choose`,
 which ``dmuon plan`` calls too, and the engine (:mod:`dmuon.step.engine`) only runs what the plan
 lists. The optimizer keeps one plan and rebuilds it only when its key changes: other parameter
 objects (as after Accelerate's ``prepare``), other parameters with a gradient, a changed
@@ -23,32 +23,20 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from dmuon.cuda_graphs import GraphedOrthogonalize
+from dmuon.choices import MatrixOptions, choose, column_block_cost, column_blocks_fit
 from dmuon.exchange import GroupRef
 from dmuon.hyperparameters import EngineOptions, adjusted_lr_ratio, ns_config
 from dmuon.layout import detect_layout, owned_by
-from dmuon.orthogonalization import orthogonalize
 from dmuon.param_groups import MuonParam
-from dmuon.planner import (
-    DEFAULT_FLOPS_PER_BYTE,
-    MatrixOptions,
-    Plan,
-    Unit,
-    choose,
-    column_block_cost,
-    column_blocks_fit,
-    exchange_groups,
-    exchange_plans,
-)
+from dmuon.planner import DEFAULT_FLOPS_PER_BYTE, Plan, Unit, exchange_groups, exchange_plans
 from dmuon.routing import block_rows, is_stack, matrix_shape
 from dmuon.rules import UpdateRule, rule_of
-from dmuon.step.elementwise import CompiledKernels, compile_kernels
-from dmuon.step.engine import Engine
+from dmuon.step.early.eligibility import Eligibility, follows_backward, wanted
 from dmuon.strategies.base import Block, MatrixWork, Strategy, return_dtype, unit_of, wire_dtype
 from dmuon.strategies.column_blocks import ColumnBlocks
 from dmuon.strategies.gangs import Gangs
-from dmuon.strategies.pieces import PiecesExchange
-from dmuon.strategies.planned import PlannedExchange
+from dmuon.strategies.pieces import PieceExchange
+from dmuon.strategies.rows import RowExchange
 from dmuon.tensors import local
 
 # the param-group keys a plan depends on (the rest — lr, weight decay, momentum — is read each step)
@@ -62,13 +50,15 @@ def steps_here(param: Tensor) -> bool:
     return owned is None or owned.is_mine
 
 
-def plan_key(entries: Sequence[MuonParam]) -> tuple:
-    """What a step plan depends on: the stepped parameters (objects, shapes, views) and their
-    groups' Newton–Schulz options."""
+def plan_key(entries: Sequence[MuonParam], early: Eligibility) -> tuple:
+    """What a step plan depends on: the stepped parameters (objects, shapes, views), their
+    groups' Newton–Schulz options, and what decides whether early start may run it (which
+    decides its bucket order)."""
     groups = {id(e.param_group): e.param_group for e in entries}
     return (
         tuple((id(e.param), tuple(e.param.shape), e.view) for e in entries),
         tuple((gid, tuple(repr(group[k]) for k in PLANNED_KEYS)) for gid, group in groups.items()),
+        early,
     )
 
 
@@ -80,6 +70,7 @@ class StepPlan:
     key: tuple
     works: tuple[MatrixWork, ...]
     strategies: tuple[Strategy, ...]
+    follows_backward: bool  # buckets in the backward pass's order (for early start), not the cost order
     chunks: dict[tuple[int, ...], list] = field(default_factory=dict)  # StepValues' groupings
 
 
@@ -87,18 +78,8 @@ def column_blocks_possible(p: Tensor, process_group: dist.ProcessGroup | None, b
                            ) -> bool:
     """Whether ``p``'s kind allows distributed NS on the ranks' own column blocks: an unfused
     DTensor matrix with a process group and no update rule (which needs the whole update on one
-    rank); its layout decides the rest (:func:`dmuon.planner.column_blocks_fit`)."""
+    rank); its layout decides the rest (:func:`dmuon.choices.column_blocks_fit`)."""
     return isinstance(p, DTensor) and p.ndim == 2 and process_group is not None and not blocks and rule.fn is None
-
-
-def build_engine(options: EngineOptions, process_group: dist.ProcessGroup | None,
-                 measured: dict[tuple[int, int], str]) -> tuple[CompiledKernels | None, Engine, StepPlanner]:
-    """An optimizer's compiled kernels (None unless ``options.compile``), engine and planner;
-    ``measured``: with ``symmetric_products="auto"``, the faster kernel per shape."""
-    kernels = compile_kernels("inductor" if options.compile is True else options.compile) if options.compile else None
-    ns = kernels.orthogonalize if kernels else orthogonalize
-    engine = Engine(options.comm_dtype, orthogonalize_fn=GraphedOrthogonalize(ns) if options.cuda_graphs else ns)
-    return kernels, engine, StepPlanner(options, process_group, measured)
 
 
 class StepPlanner:
@@ -117,7 +98,6 @@ class StepPlanner:
         self.narrow_returns = not options.compile
         self.measured = measured  # with "auto": the faster kernel per shape, measured at construction
         self.flops_per_byte = flops_per_byte
-        self.ready_order = False  # buckets in the backward pass's order (early start), not the cost order
 
     def symmetric_for(self, shape: tuple[int, int]) -> str:
         """The symmetric-product kernel for an m×n Newton–Schulz: the option, or with "auto" the
@@ -126,21 +106,31 @@ class StepPlanner:
             return self.symmetric_products
         return self.measured.get(tuple(shape), "torch")
 
-    def step_plan(self, kept: StepPlan | None, entries: Sequence[MuonParam], device: torch.device) -> StepPlan:
+    def step_plan(self, kept: StepPlan | None, entries: Sequence[MuonParam], device: torch.device,
+                  early: Eligibility) -> StepPlan:
         """The plan for stepping ``entries``: ``kept``, unless what it depends on (:func:`plan_key`) changed."""
-        key = plan_key(entries)
-        return kept if kept is not None and kept.key == key else self.build(key, entries, device)
+        key = plan_key(entries, early)
+        if kept is not None and kept.key == key:
+            return kept
+        backward, works = self.planned_works(entries, early)
+        return StepPlan(key, tuple(works), self.strategies(works, device, backward), backward)
 
-    def build(self, key: tuple, entries: Sequence[MuonParam], device: torch.device) -> StepPlan:
-        works = self.works(entries)
-        return StepPlan(key, tuple(works), self.strategies(works, device))
+    def planned_works(self, entries: Sequence[MuonParam], early: Eligibility) -> tuple[bool, list[MatrixWork]]:
+        """Whether the plan's buckets follow the backward pass, and its works: early start's
+        (every matrix whole) where it can run them (:func:`dmuon.step.early.eligibility.follows_backward`),
+        else the cost order's, which may also split matrices."""
+        if wanted(early.setting, early.device_type):
+            works = self.works(entries, follow_backward=True)
+            if follows_backward(early, works):
+                return True, works
+        return False, self.works(entries, follow_backward=False)
 
     # ------------------------------------------------------------------ the cost model's choices
 
-    def works(self, entries: Sequence[MuonParam]) -> list[MatrixWork]:
+    def works(self, entries: Sequence[MuonParam], follow_backward: bool) -> list[MatrixWork]:
         """Each matrix to one owner, split across its group, or over a gang, as
-        :func:`dmuon.planner.choose` decides. Where early start runs (buckets follow the backward
-        pass) every matrix stays whole: early start runs the planned exchange only, and hides
+        :func:`dmuon.choices.choose` decides. Where early start runs (buckets follow the backward
+        pass) every matrix stays whole: early start runs the row exchange only, and hides
         most of it in the backward pass (``distributed_ns=True`` still splits, and turns early
         start off)."""
         shared = [self._work(e, split_replicas=self.replica_split is not False) for e in entries]
@@ -151,7 +141,7 @@ class StepPlanner:
                                  self._column_block_cost(e, r), self._splittable(s))
                    for e, s, r in zip(entries, shared, per_replica)]
         choices = choose(options, replica_split=self.replica_split, distributed_ns=self.distributed_ns,
-                         ready_order=self.ready_order, bucket_bytes=self.bucket_bytes,
+                         ready_order=follow_backward, bucket_bytes=self.bucket_bytes,
                          flops_per_byte=self.flops_per_byte)
         works = shared if choices.split_replicas else per_replica
         return [self._work(e, split_replicas=False, column_blocks=True) if i in choices.column_blocks
@@ -189,20 +179,22 @@ class StepPlanner:
     def _exchange_groups(self, works: Sequence[MatrixWork]) -> list[list[int]]:
         return exchange_groups([w.layout for w in works], [self._wire(w) for w in works])
 
-    def _whole(self, works: Sequence[MatrixWork]) -> list[tuple[list[int], Plan]]:
+    def _whole(self, works: Sequence[MatrixWork], follow_backward: bool) -> list[tuple[list[int], Plan]]:
         """Of ``works`` (each orthogonalized whole by one owner), the index and plan of each
-        planned or pieces exchange (:func:`dmuon.planner.exchange_plans`)."""
+        planned or piece exchange (:func:`dmuon.planner.exchange_plans`)."""
         return exchange_plans([self._unit(w) for w in works], [self._wire(w) for w in works],
                               bucket_bytes=self.bucket_bytes, flops_per_byte=self.flops_per_byte,
-                              ready_order=self.ready_order)
+                              ready_order=follow_backward)
 
-    def exchange_plans(self, works: Sequence[MatrixWork]) -> list[Plan]:
-        """The plan of each planned or pieces exchange (gangs and column blocks have none)."""
-        return [plan for _, plan in self._whole([w for w in works if not (w.gang or w.column_blocks)])]
+    def exchange_plans(self, works: Sequence[MatrixWork], follow_backward: bool) -> list[Plan]:
+        """The plan of each planned or piece exchange (gangs and column blocks have none)."""
+        return [plan for _, plan in self._whole([w for w in works if not (w.gang or w.column_blocks)],
+                                                follow_backward)]
 
-    def strategies(self, works: Sequence[MatrixWork], device: torch.device) -> tuple[Strategy, ...]:
+    def strategies(self, works: Sequence[MatrixWork], device: torch.device, follow_backward: bool
+                   ) -> tuple[Strategy, ...]:
         """The strategies for ``works``, in the order every rank runs them: gangs first, then
-        the planned exchange of each exchange group, the pieces exchange of each, and distributed
+        the row exchange of each exchange group, the piece exchange of each, and distributed
         NS on column blocks. Indices into ``works`` are what a step's StepIO answers to."""
         strategies: list[Strategy] = []
 
@@ -214,10 +206,10 @@ class StepPlanner:
             indices = [split[i] for i in members]
             strategies.append(Gangs(indices, [works[i] for i in indices], device))
         whole = subset(lambda w: not (w.gang or w.column_blocks))
-        for members, plan in self._whole([works[i] for i in whole]):
+        for members, plan in self._whole([works[i] for i in whole], follow_backward):
             indices = [whole[i] for i in members]
             chosen = [works[i] for i in indices]
-            exchange = PiecesExchange if chosen[0].layout.pieces else PlannedExchange
+            exchange = PieceExchange if chosen[0].layout.pieces else RowExchange
             strategies.append(exchange(indices, chosen, plan, device))
         columns = subset(lambda w: w.column_blocks)
         if columns:

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dmuon import momentum, param_groups
-from dmuon.agreement import Fingerprint, PreparedStep, agree_on_step, digest_words
+from dmuon.agreement import Fingerprint, digest_words
+from dmuon.cuda_graphs import GraphedOrthogonalize
 from dmuon.exchange import GroupRef, collective_device
 from dmuon.hyperparameters import EngineOptions, momentum_dtype
 from dmuon.layout import (
@@ -32,13 +33,17 @@ from dmuon.layout import (
     owner_shardings,
     row_state_zeros,
 )
+from dmuon.orthogonalization import orthogonalize
 from dmuon.planner import Plan
 from dmuon.routing import is_stack, row_shape
 from dmuon.rules import ROW_STATE_KEYS, rule_of
-from dmuon.step.early_start import CHANGED, USED, EarlyStart, unsupported_because, wanted
-from dmuon.step.elementwise import adamw_steps, update_momentum_of
-from dmuon.step.engine import StepStats
-from dmuon.step.plan import StepPlan, build_engine, steps_here
+from dmuon.step.agreement import PreparedStep, agree_on_step
+from dmuon.step.early.eligibility import Eligibility
+from dmuon.step.early.run import Run, RunUse
+from dmuon.step.early.start import EarlyStart
+from dmuon.step.elementwise import CompiledKernels, adamw_steps, compile_kernels, update_momentum_of
+from dmuon.step.engine import Engine, StepStats
+from dmuon.step.plan import StepPlan, StepPlanner, steps_here
 from dmuon.step.statistics import step_statistics
 from dmuon.step.values import StepValues
 
@@ -86,7 +91,8 @@ class Stepper:
         self.build()
 
     def build(self) -> None:
-        self.kernels, self.engine, self.planner = build_engine(self.options, self.replicas(), self.symmetric_by_shape)
+        self.kernels, self.engine = build_engine(self.options)
+        self.planner = StepPlanner(self.options, self.replicas(), self.symmetric_by_shape)
         self.plan: StepPlan | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -125,52 +131,40 @@ class Stepper:
         """After an entry point the ranks agreed on: what later steps compare."""
         self.structure_words = digest_words(fingerprint)
         self.checked_settings = param_groups.settings(groups)
-        self.replan(groups)  # the parameters may have changed: early start may run again
+        self.plan = None  # the parameters may have changed
 
-    def replan(self, groups: Groups) -> None:
-        """The next step plans again, its bucket order chosen again: the parameters, or whether
-        early start can run, may have changed."""
-        self.plan = None
-        self.order_buckets(groups)
-
-    def order_buckets(self, groups: Groups) -> None:
-        """Where early start may run, the plan's buckets follow the backward pass (the model's
-        order reversed); elsewhere the cost order (:meth:`step_plan`)."""
-        self.planner.ready_order = wanted(self.options.early_start, self.device(groups).type)
+    def eligibility(self, device: torch.device) -> Eligibility:
+        """What decides whether early start may run the next plan, and so its bucket order."""
+        return self.early.eligibility(device.type, self.compiled)
 
     def check_layouts(self, groups: Groups) -> None:
         """At construction: every layout detected and planned, so that an unsupported one raises
         before any collective; with ``early_start=True``, where the layouts cannot run it."""
         here = self.stepped_here(groups)
-        self.planner.exchange_plans(self.planner.works(here))
+        follows_backward, works = self.planner.planned_works(here, self.eligibility(self.device(groups)))
+        self.planner.exchange_plans(works, follows_backward)
         if self.options.early_start and here:
-            self.early.check(self.planner.build(None, here, self.device(groups)), self.compiled,
-                             ddp_may_follow=True)  # register_ddp_comm_hook comes after
+            self.early.check(works, self.compiled, ddp_may_follow=True)  # register_ddp_comm_hook comes after
 
     def stepped_here(self, groups: Groups) -> list[param_groups.MuonParam]:
         """The Muon parameters this rank steps (all, unless owner-sharded to other ranks)."""
         return [m for m in param_groups.muon_params(groups) if steps_here(m.param)]
 
     def plans(self, groups: Groups) -> list[Plan]:
+        """The exchange plans the next step would run, worked out without keeping anything."""
         # a frozen parameter (requires_grad=False, no gradient) is in no step: nor in its plan
         here = [m for m in self.stepped_here(groups) if m.param.requires_grad or m.param.grad is not None]
-        if self.planner.ready_order and self.early.setting is None and here:
-            self.step_plan(groups, here)  # the bucket order the next step will use
-        return self.planner.exchange_plans(self.planner.works(here))
+        follows_backward, works = self.planner.planned_works(here, self.eligibility(self.device(groups)))
+        return self.planner.exchange_plans(works, follows_backward)
 
     def step_plan(self, groups: Groups, entries: Sequence[param_groups.MuonParam]) -> StepPlan:
-        """The plan kept, unless what it depends on changed. Early start's (buckets in the backward
-        order, every matrix whole) only where early start can run it: where it cannot (a layout it
-        does not support, DDP without ``register_ddp_comm_hook``) and ``early_start=None``, the
-        step is better served by the cost order, which may also split matrices."""
+        """The plan kept, unless what it depends on changed (:func:`dmuon.step.plan.plan_key`).
+        Early start's (buckets in the backward order, every matrix whole) only where early start
+        can run it: where it cannot (a layout it does not support, DDP without
+        ``register_ddp_comm_hook``) and ``early_start=None``, the cost order, which may also
+        split matrices (:meth:`dmuon.step.plan.StepPlanner.planned_works`)."""
         device = self.device(groups)
-        plan = self.planner.step_plan(self.plan, entries, device)
-        # a comm hook registered here counts before the step's agreement on it
-        if (self.planner.ready_order and self.early.setting is None
-                and unsupported_because(plan, self.compiled, self.early.ddp) is not None):
-            self.planner.ready_order = False
-            plan = self.planner.build(plan.key, entries, device)
-        return plan
+        return self.planner.step_plan(self.plan, entries, device, self.eligibility(device))
 
     # ------------------------------------------------------------------ the step
 
@@ -185,29 +179,22 @@ class Stepper:
         except Exception as err:  # noqa: BLE001 - shared with the other ranks in the agreement, which raise too
             prepared = err
         job = self.job()
-        params, here, left_alone, early = agree_on_step(
+        params, here, left_alone, agreed_use = agree_on_step(
             prepared, nonfinite_grads, job, partial(collective_device, groups, job),
             self._fingerprint() if job is not None else [], self.engine.counter,
             partial(param_groups.all_names, groups))
         self.steps_taken += 1
-        if self.early.use_agreed_ddp():
-            self.replan(groups)  # early start's plan, where it can now run
-        if early == CHANGED:
-            self.early.turn_off("the gradients changed between the backward pass and step() (a second backward "
-                                "pass for gradient accumulation, or clipping or unscaling them), so its work was "
-                                "redone; accumulate with all but the last micro-batch inside optimizer.accumulating() "
-                                "instead (or DDP's or owner sharding's no_sync(), FSDP2's "
-                                "set_requires_gradient_sync(False))")
+        self.early.settle(RunUse(agreed_use))
         if left_alone is None:
             self.skipped_steps += 1
         else:
-            self._update(groups, state, params, here, left_alone, run, early == USED)
+            self._update(groups, state, params, here, left_alone, run, RunUse(agreed_use))
         self.early.arm(self.plan, state, self.engine, self.compiled, job)
 
     def _update(self, groups: Groups, state: dict, params: list[Tensor], here: list[bool], left_alone: set[int],
-                run: Any, use_run: bool) -> None:
+                run: Run | None, agreed_use: RunUse) -> None:
         """The agreed step: state, momentum, the plan's strategies, or the updates early start's
-        ``run`` held where every rank may use them (``use_run``) and it ran this plan."""
+        ``run`` held where every rank may use them (``agreed_use``) and it ran this plan."""
         for sharding in owner_shardings(params)[1]:
             sharding.weights_changed()
         stepped = {id(p) for i, (p, mine) in enumerate(zip(params, here)) if mine and i not in left_alone}
@@ -226,18 +213,19 @@ class Stepper:
         # the plan kept, unless what it depends on changed; AdamW runs while the exchange waits
         plan = self.plan = self.step_plan(groups, entries)
         if self.early.setting:  # early_start=True where this plan cannot run it: raised before anything moves
-            self.early.check(plan, self.compiled)
+            self.early.check(plan.works, self.compiled)
         pieces = update_momentum_of(entries, state, self.kernels)
         values = StepValues(plan, state, pieces, self.kernels, self.update_squares, adamw)
-        if run is not None and use_run and run.plan is plan:
-            values.apply_held(run.values)  # the updates the backward pass computed, on the same inputs
+        held = self.early.held_updates(run, agreed_use, plan)
+        if held is not None:
+            values.apply_held(held)  # the updates the backward pass computed, on the same inputs
             values.overlap()
             return
         if run is not None:
             self.engine.start_step()  # the statistics count this step's run, not the unused one
         self.engine.run(plan.strategies, values)
 
-    def _prepare(self, groups: Groups, state: dict, run: Any) -> PreparedStep:
+    def _prepare(self, groups: Groups, state: dict, run: Run | None) -> PreparedStep:
         """This rank's part of a step before the ranks agree: the parameters (those the model
         replaced on leaving the meta device taken from it), whether this rank steps each and
         whether each is a replica every rank holds whole (a plain-tensor Muon parameter), the
@@ -261,7 +249,7 @@ class Stepper:
         if now != self.checked_settings:
             param_groups.validate_groups(groups)
             self.checked_settings = now
-        return PreparedStep(params, here, replicas, run.code(state) if run is not None else USED)
+        return PreparedStep(params, here, replicas, self.early.verdict(run, state))
 
     def _fingerprint(self) -> Fingerprint:
         """What a step depends on, as the ranks compare it: the configuration they agreed on
@@ -288,11 +276,18 @@ class Stepper:
     def register_ddp_comm_hook(self, groups: Groups, model: nn.Module) -> None:
         """:meth:`dmuon.Muon.register_ddp_comm_hook`."""
         self.early.register_ddp(model, self.job(), param_groups.muon_params(groups))
-        self.replan(groups)  # the next step's plan: early start's, where it can now run
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """:meth:`dmuon.Muon.accumulating`."""
         return self.early.accumulating()
+
+
+def build_engine(options: EngineOptions) -> tuple[CompiledKernels | None, Engine]:
+    """An optimizer's compiled kernels (None unless ``options.compile``) and the engine that runs
+    its plans with them (CUDA-graphed with ``options.cuda_graphs``)."""
+    kernels = compile_kernels("inductor" if options.compile is True else options.compile) if options.compile else None
+    ns = kernels.orthogonalize if kernels else orthogonalize
+    return kernels, Engine(options.comm_dtype, orthogonalize_fn=GraphedOrthogonalize(ns) if options.cuda_graphs else ns)
 
 
 def init_state(groups: Groups, state: dict, muon: Sequence[param_groups.MuonParam], stepped: set[int]) -> None:

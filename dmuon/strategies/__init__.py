@@ -1,5 +1,5 @@
 """How the engine orthogonalizes the works of a step plan, one module per layout family:
-:mod:`~dmuon.strategies.planned` (the owner exchange: DDP, FSDP2, HSDP, tensor parallel, one
+:mod:`~dmuon.strategies.rows` (the row exchange: DDP, FSDP2, HSDP, tensor parallel, one
 process), :mod:`~dmuon.strategies.pieces` (every other sharding: each rank's piece to the owner
 and back),
 :mod:`~dmuon.strategies.column_blocks` (distributed Newton–Schulz on 1-D sharded matrices) and

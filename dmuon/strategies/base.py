@@ -64,7 +64,7 @@ class MatrixWork:
     # distributed NS: the local input is this rank's column block (count, m, n_local) of a matrix
     # whose Gram side is m, and the update this rank's columns of the result
     column_blocks: bool = False
-    # split over a gang of positions of the exchange group (planner.choose_gangs); empty: not
+    # split over a gang of positions of the exchange group (choices.choose_gangs); empty: not
     gang: tuple[int, ...] = ()
     # the update is exactly in Newton–Schulz's dtype, narrower than the parameter's: its values
     # are that dtype's widened, so the exchanges (planned, gangs) send it back in that dtype, exactly
@@ -170,7 +170,7 @@ class StepStats:
     bytes_sent: int = 0
     collectives: int = 0
     gangs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # split matrices: name → global ranks
-    # early start (dmuon.step.early_start): buckets begun in the backward pass, of how many in all
+    # early start (dmuon.step.early): buckets begun in the backward pass, of how many in all
     early_buckets: tuple[int, int] = (0, 0)
     # every Newton–Schulz call, in order: (input shape, dtype, config, on column blocks), so that a
     # benchmark can time the same calls alone (dmuon bench's optimizer-step efficiency)

@@ -1,5 +1,5 @@
 """Distributed Newton–Schulz: the ranks holding a matrix's column blocks orthogonalize it
-together (:func:`dmuon.orthogonalization.orthogonalize_column_blocks`); nothing is gathered,
+together (:func:`dmuon.column_block_ns.orthogonalize_column_blocks`); nothing is gathered,
 and every rank of the group runs the small-side recurrence on all-reduced Gram matrices."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 
+from dmuon.column_block_ns import orthogonalize_column_blocks
 from dmuon.exchange import all_reduce_sum
-from dmuon.orthogonalization import newton_schulz_flops, orthogonalize_column_blocks
+from dmuon.orthogonalization import newton_schulz_flops
 from dmuon.strategies.base import Context, MatrixWork, StepIO, Timed
 
 

@@ -1,4 +1,4 @@
-"""Matrices split over gangs of ranks (:func:`dmuon.planner.choose_gangs`), all gangs of one
+"""Matrices split over gangs of ranks (:func:`dmuon.choices.choose_gangs`), all gangs of one
 exchange group at once: each member receives its slice of the long side from the shards of its
 own replica (one all-to-all for all), the gang runs distributed Newton–Schulz on the slices
 (Gram side the short one, all-reduced in the gang's own process group), and each member sends
@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dmuon.column_block_ns import orthogonalize_column_blocks
 from dmuon.exchange import GroupRef, all_reduce_sum, new_subgroup, start_all_to_all
 from dmuon.layout import chunk_sizes
-from dmuon.orthogonalization import newton_schulz_flops, orthogonalize_column_blocks
+from dmuon.orthogonalization import newton_schulz_flops
 from dmuon.strategies.base import Context, MatrixWork, StepIO, Timed
 
 

@@ -48,7 +48,7 @@ def _grid(lists: IndexLists) -> tuple[Tensor, ...]:
     return tuple(index.view([-1 if d == i else 1 for d in range(len(lists))]) for i, index in enumerate(lists))
 
 
-class PiecesExchange:
+class PieceExchange:
     """The works of one exchange group whose pieces are not row chunks (see the module's docstring)."""
 
     def __init__(self, indices: Sequence[int], works: Sequence[MatrixWork], plan: Plan,

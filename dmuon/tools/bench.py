@@ -108,7 +108,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from dmuon.orthogonalization import NAMED_COEFFICIENTS, native_bf16, orthogonalize, orthogonalize_column_blocks
+from dmuon.coefficients import NAMED_COEFFICIENTS
+from dmuon.column_block_ns import orthogonalize_column_blocks
+from dmuon.ns_defaults import native_bf16
+from dmuon.orthogonalization import orthogonalize
 from dmuon.owner import OwnerSharding, shard_by_owner
 from dmuon.tools.cli import (
     UsageError,

@@ -44,24 +44,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dmuon.layout import Layout
-from dmuon.orthogonalization import NSConfig, newton_schulz_flops, resolve_config
-from dmuon.planner import (
-    DEFAULT_BUCKET_BYTES,
+from dmuon.choices import (
     Choices,
     MatrixOptions,
-    Plan,
-    Unit,
     choose,
     column_block_cost,
     column_block_flops,
     column_blocks_fit,
-    exchange_plans,
     gang_member_flops,
     gang_slice_elements,
-    make_plan,
-    plan_ownership,
 )
+from dmuon.layout import Layout
+from dmuon.orthogonalization import NSConfig, newton_schulz_flops, resolve_config
+from dmuon.planner import DEFAULT_BUCKET_BYTES, Plan, Unit, exchange_plans, make_plan, plan_ownership
 from dmuon.tools.hardware import RING_BYTES, HardwareProfile
 from dmuon.tools.models import (
     MOE_PRESETS,
@@ -326,7 +321,7 @@ class Workload:
         plan's owners, owner mode) shards its rows over the stage's data-parallel ranks; with
         tensor parallel, a column-wise matrix is ``(_StridedShard(0), Shard(0))`` on the (dp, tp)
         mesh (its rows partitioned), a row-wise one ``(Shard(0), Shard(1))`` (2-D blocks), the
-        router ``(Shard(0), Replicate())``: all three go through the pieces exchange; without
+        router ``(Shard(0), Replicate())``: all three go through the piece exchange; without
         FSDP2 (dp = 1) they are 1-D ``Shard(0)``, ``Shard(1)`` and replicated."""
         ranks = tuple(range(self.group_size))
         if self.mode == "ddp":
@@ -399,7 +394,7 @@ def _plan(units: list[Unit], workload: Workload) -> Plan:
 @dataclass(frozen=True)
 class SplitUnit:
     """A matrix orthogonalized by several ranks together: over a gang of them
-    (:func:`dmuon.planner.choose_gangs`; each member gets a slice of the long side), or by every
+    (:func:`dmuon.choices.choose_gangs`; each member gets a slice of the long side), or by every
     rank of its group on the column blocks it holds (``column_blocks``: distributed NS in place;
     ``unit`` is then the transpose of a Shard(0) matrix, its Gram side ``unit.m``)."""
 
@@ -428,7 +423,7 @@ class SplitUnit:
 
 
 def matrix_options(workload: Workload, units: Sequence[Unit], configs: Sequence[NSConfig]) -> list[MatrixOptions]:
-    """The first stage's Muon parameters (:func:`_units`) as :func:`dmuon.planner.choose` takes
+    """The first stage's Muon parameters (:func:`_units`) as :func:`dmuon.choices.choose` takes
     them, as ``dmuon.Muon`` would describe them: FSDP2's matrices are DTensors, which may run
     distributed NS on their column blocks where each rank holds whole rows (the transpose's:
     Gram side the columns) or whole columns; an unfused matrix with a process group may be split
@@ -457,7 +452,7 @@ class StagePlan:
     """dmuon's plan for one pipeline stage's optimizer (the whole model's without pipeline
     parallel), as ``dmuon.Muon`` makes it by default (:func:`choices`): the plan of each group of
     matrices owned whole, with their Newton–Schulz recipes, in the engine's order (planned
-    exchanges, then pieces exchanges); and the matrices split over several ranks — gangs first,
+    exchanges, then piece exchanges); and the matrices split over several ranks — gangs first,
     then those on column blocks."""
 
     groups: tuple[tuple[Plan, tuple[NSConfig, ...]], ...]

@@ -41,7 +41,7 @@ from functools import cache
 import torch
 import torch.distributed as dist
 
-from dmuon.orthogonalization import default_dtype
+from dmuon.ns_defaults import default_dtype
 from dmuon.tools.models import LlamaConfig, VLAConfig
 from dmuon.tools.workloads import build_model, local_batch, make_data, training_loss
 

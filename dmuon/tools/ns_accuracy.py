@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon.orthogonalization import coefficient_schedule, newton_schulz, newton_schulz_flops, resolve_config
+from dmuon.coefficients import coefficient_schedule
+from dmuon.orthogonalization import newton_schulz, newton_schulz_flops, resolve_config
 
 F64 = torch.float64
 SHAPES = ((512, 2048), (2048, 512), (1024, 1024), (256, 4096))

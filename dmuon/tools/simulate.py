@@ -23,7 +23,7 @@ other parameters, and the one all-reduce that agrees on skipped steps.
 The simulation is deterministic, O(buckets · ranks), and is the optimizer term of
 :func:`predict`, which adds forward+backward and the baselines from :mod:`dmuon.tools.costmodel`.
 
-Early start (:mod:`dmuon.step.early_start`; in every mode: under DDP with dmuon's comm hook) is modelled
+Early start (:mod:`dmuon.step.early`; in every mode: under DDP with dmuon's comm hook) is modelled
 on top: the work of every bucket but the last may run during the backward pass (two thirds of
 the forward+backward products), but only in the device time the backward pass leaves idle —
 ``HardwareProfile.backward_idle_fraction`` of it, 6 % on GPUs from one H200 measurement, 0 on
@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dmuon.orthogonalization import NSConfig, gram_all_reduces
+from dmuon.column_block_ns import gram_all_reduces
+from dmuon.orthogonalization import NSConfig
 from dmuon.planner import Plan, Unit
 from dmuon.tools.costmodel import (
     APPLY_BYTES,
@@ -550,7 +551,7 @@ def predict(workload: Workload, model: str = "") -> Prediction:
     units, all_configs = stage.units, stage.configs
     adamw_step, vanilla_step, dmuon_step = base_fb + adamw_opt, base_fb + vanilla_opt, ours_fb + dmuon_opt
     # early start's own plan: every matrix whole (it does not run gangs), buckets in the backward
-    # pass's order; it does not run where a pieces exchange is in the plan
+    # pass's order; it does not run where a piece exchange is in the plan
     early_opt, hidden = dmuon_opt, 0.0
     pieces = any(u.layout.pieces for u in units)
     if workload.profile.backward_idle_fraction and not pieces:

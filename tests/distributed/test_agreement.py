@@ -79,15 +79,15 @@ def processors_of_two_kinds() -> None:
     would resolve to bf16 on one and fp32 on the other."""
     import os
 
-    from dmuon import orthogonalization
+    from dmuon import ns_defaults
 
-    os.environ[orthogonalization.CPU_BF16_OVERRIDE] = "native" if dist.get_rank() == 0 else "emulated"
-    orthogonalization._cpu_bf16_native.cache_clear()
+    os.environ[ns_defaults.CPU_BF16_OVERRIDE] = "native" if dist.get_rank() == 0 else "emulated"
+    ns_defaults._cpu_bf16_native.cache_clear()
     try:
         muon(make_params())
     finally:
-        del os.environ[orthogonalization.CPU_BF16_OVERRIDE]
-        orthogonalization._cpu_bf16_native.cache_clear()
+        del os.environ[ns_defaults.CPU_BF16_OVERRIDE]
+        ns_defaults._cpu_bf16_native.cache_clear()
 
 
 def momentum_dtype_of_rank() -> None:

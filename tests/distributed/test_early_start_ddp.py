@@ -1,4 +1,4 @@
-"""Early start under DDP (dmuon.step.early_start, ``Muon.register_ddp_comm_hook``): dmuon's comm hook
+"""Early start under DDP (dmuon.step.early, ``Muon.register_ddp_comm_hook``): dmuon's comm hook
 reduces as DDP does and starts each bucket once its all-reduce is done; the same bits as plain
 DDP at 1–4 ranks, gradient accumulation under ``no_sync``, gradients changed before ``step()``,
 misuse raising on every rank, and without the hook the step as without early start."""
@@ -251,7 +251,8 @@ def _plans_under_ddp_as_on_cuda() -> dict:
     sizes = [(48, 16), (16, 64), (64, 64), (32, 16), (16, 96), (96, 32)]
     model = DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(n, m, bias=False) for n, m in sizes]))
     buckets, status = {}, {}
-    with mock.patch("dmuon.step.stepper.wanted", on_cuda), mock.patch("dmuon.step.early_start.wanted", on_cuda):
+    with mock.patch("dmuon.step.plan.wanted", on_cuda), mock.patch("dmuon.step.early.eligibility.wanted", on_cuda), \
+            mock.patch("dmuon.step.early.start.wanted", on_cuda):
         for name, setting in (("cost", False), ("early", True), ("default", None)):
             opt = dmuon.Muon(model, lr=0.02, bucket_bytes=64 * 64 * 4, early_start=setting)
             if name == "default":

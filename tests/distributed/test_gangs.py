@@ -1,4 +1,4 @@
-"""Splitting one matrix over a *gang* of k ranks (dmuon.planner.choose_gangs, the engine's
+"""Splitting one matrix over a *gang* of k ranks (dmuon.choices.choose_gangs, the engine's
 _run_gangs): the planner splits only where that lowers the makespan; training with split
 matrices matches one process at 3 and 4 ranks, under DDP (replicated), FSDP2 (row shards),
 row-wise tensor parallel (column shards) and HSDP (2 × 2), for wide and tall matrices, with
@@ -15,9 +15,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dmuon
+from dmuon.choices import choose_gangs, gang_costs
 from dmuon.layout import Layout
 from dmuon.orthogonalization import newton_schulz_flops, resolve_config
-from dmuon.planner import Unit, choose_gangs, gang_costs
+from dmuon.planner import Unit
 from tests.harness import run_on_ranks
 from tests.helpers import dcp_load, dcp_save, full_tensor
 

@@ -199,7 +199,7 @@ def test_parameters_on_meshes_that_no_group_covers_are_refused():
 def two_d_mesh_in_each_stage(dtype: torch.dtype) -> dict:
     """Ranks {0, 1} and {2, 3}, each a stage whose matrices sit on a 2-D (dp=1, tp=2) mesh as
     2-D blocks: no mesh dimension's group has all of a stage's ranks, so the optimizer takes
-    ``process_group=`` the stage's group (made on every rank up front), and the pieces exchange
+    ``process_group=`` the stage's group (made on every rank up front), and the piece exchange
     runs over it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

@@ -17,7 +17,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import dmuon
-from dmuon.orthogonalization import orthogonalize, orthogonalize_column_blocks, resolve_config
+from dmuon.column_block_ns import orthogonalize_column_blocks
+from dmuon.orthogonalization import orthogonalize, resolve_config
 from tests.harness import run_on_ranks
 from tests.helpers import dcp_load, dcp_save, full_tensor, single_process
 
@@ -201,12 +202,12 @@ def test_distributed_ns_training_matches_single_process(reference, parallel, wor
     blocks, as the transpose) — no gather, each rank does the small-side recurrence. FSDP + TP
     on a 2×2 mesh: the column-wise matrix, whose rows the four ranks hold disjointly
     (``_StridedShard(0), Shard(0)``), is split in place too; the row-wise one, held as 2-D
-    blocks, goes to one owner through the pieces exchange."""
+    blocks, goes to one owner through the piece exchange."""
     results = run_on_ranks(world, train, parallel, distributed_ns=True)
     for rank, r in enumerate(results):
         for name, value in r["params"].items():
             torch.testing.assert_close(value, reference["params"][name], rtol=1e-4, atol=1e-5, msg=f"{rank} {name}")
-        # nothing went through the row exchange; under FSDP + TP the 2-D blocks take the pieces exchange
+        # nothing went through the row exchange; under FSDP + TP the 2-D blocks take the piece exchange
         assert r["planned"] == ([] if parallel != "fsdp+tp" else [1])
         assert r["placements"][0] == r["placements"][1]
     # a split matrix counts on every rank of its group; a gathered one on its owner only
@@ -216,9 +217,10 @@ def test_distributed_ns_training_matches_single_process(reference, parallel, wor
 def test_planner_splits_a_matrix_only_when_it_lowers_the_makespan():
     """Splitting (distributed NS on every rank of the group) pays for one matrix much larger than
     the rest, and for fewer matrices than ranks; not when there are enough to balance."""
+    from dmuon.choices import choose_distributed, distributed_cost
     from dmuon.layout import Layout
     from dmuon.orthogonalization import newton_schulz_flops
-    from dmuon.planner import Unit, choose_distributed, distributed_cost
+    from dmuon.planner import Unit
 
     def unit(name: str, m: int, n: int, size: int) -> tuple[Unit, float]:
         layout = Layout((m, n), 1, size, tuple(range(size)))
@@ -249,7 +251,7 @@ def fsdp_tall_and_square() -> dict:
 
 def test_cost_model_picks_column_blocks_for_a_tall_fsdp_matrix():
     """FSDP2 at 4 ranks: a 4096×16 matrix is cheaper orthogonalized on the ranks' row blocks
-    (Gram side 16, nothing gathered) than gathered; a 32×32 one goes through the owner exchange."""
+    (Gram side 16, nothing gathered) than gathered; a 32×32 one goes through the row exchange."""
     init = [torch.randn(shape, generator=torch.Generator().manual_seed(i))
             for i, shape in enumerate([(4096, 16), (32, 32)])]
     ref_params = [nn.Parameter(t.clone()) for t in init]
@@ -263,7 +265,7 @@ def test_cost_model_picks_column_blocks_for_a_tall_fsdp_matrix():
             torch.testing.assert_close(got, expected.detach(), rtol=1e-4, atol=1e-5)
 
 
-# ---------------------------------------------------------------- 2-D meshes: the pieces exchange
+# ---------------------------------------------------------------- 2-D meshes: the piece exchange
 
 TWO_D = {  # placements on a (2, 2) mesh, and the shapes stepped with them
     "fsdp x colwise tp": ([_StridedShard(0, split_factor=2), Shard(0)], [(40, 16), (16, 24), (8, 8)]),

@@ -99,7 +99,7 @@ def test_aol_configuration_runs_four_newton_schulz_steps_beside_polar_express(tm
 def test_throughput_tables_run_on_cpu():
     import torch
 
-    from dmuon.orthogonalization import default_dtype
+    from dmuon.ns_defaults import default_dtype
     from dmuon.tools.throughput import ns_throughput, rank_share, symmetric_products_timing
 
     cpu = torch.device("cpu")

@@ -1,5 +1,5 @@
 """``benchmarks/exchange_bytes.py``: its run at 4 ranks; every layout without replicas sends on
-average exactly FSDP2's bound per rank (the pieces exchange), and the JSON holds every row."""
+average exactly FSDP2's bound per rank (the piece exchange), and the JSON holds every row."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from dmuon.orthogonalization import AOL_RAW
+from dmuon.coefficients import AOL_RAW
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import fit_aol  # noqa: E402

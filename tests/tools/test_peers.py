@@ -151,6 +151,6 @@ def test_rms_matched_groups_reproduce_torch_muon_step_sizes(wd_times_ratio):
 
 def test_every_peer_names_a_dmuon_schedule_of_its_newton_schulz():
     """``dmuon bench --ns-coefficients`` takes what a peer's ``ns_coefficients`` names."""
-    from dmuon.orthogonalization import NAMED_COEFFICIENTS
+    from dmuon.coefficients import NAMED_COEFFICIENTS
 
     assert all(spec.ns_coefficients in NAMED_COEFFICIENTS and spec.newton_schulz for spec in PEERS.values())

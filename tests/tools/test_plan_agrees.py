@@ -1,4 +1,4 @@
-"""``dmuon plan`` and ``dmuon.Muon`` decide alike: both call :func:`dmuon.planner.choose` and
+"""``dmuon plan`` and ``dmuon.Muon`` decide alike: both call :func:`dmuon.choices.choose` and
 :func:`dmuon.planner.exchange_plans`, so the plan the cost model prints for a model is the plan
 the optimizer builds for it, on real ranks under DDP and FSDP2 at 2 and 4 ranks — owners,
 buckets, the table, and the matrices split over gangs (the embodied model's mixed shapes, its
@@ -189,6 +189,6 @@ def test_dmuon_plan_with_tp_pp_ep_prints_the_optimizers_plans(case):
         assert got["plans"] == expected, f"rank {rank}"
     strategies = {how for _, _, how in predict(workload).strategies}
     if tp > 1 and workload.dp > 1:
-        assert any(how.startswith("pieces exchange") for how in strategies)
+        assert any(how.startswith("piece exchange") for how in strategies)
     if "dim 0" in case:
         assert any(how.startswith("no exchange: each rank its own") for how in strategies)

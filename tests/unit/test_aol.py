@@ -9,14 +9,8 @@ import pytest
 import torch
 
 import dmuon
-from dmuon.orthogonalization import (
-    aol_rescale,
-    coefficient_schedule,
-    newton_schulz,
-    newton_schulz_flops,
-    normalize,
-    resolve_config,
-)
+from dmuon.coefficients import coefficient_schedule
+from dmuon.orthogonalization import aol_rescale, newton_schulz, newton_schulz_flops, normalize, resolve_config
 from dmuon.tools.ns_accuracy import compose, gradient_like
 
 F64 = torch.float64

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from dmuon.step.early_start import _Run
+from dmuon.step.early.run import Phase, Run
 from dmuon.step.engine import Engine
 from dmuon.strategies.base import StepStats
 
@@ -40,9 +40,9 @@ def current_streams(monkeypatch) -> dict:
     return streams
 
 
-def early_run(stream: FakeStream) -> _Run:
-    run = _Run.__new__(_Run)
-    run.order, run.next, run.reducing, run.stream, run.started = [], None, None, stream, True
+def early_run(stream: FakeStream) -> Run:
+    run = Run.__new__(Run)
+    run.order, run.next, run.reducing, run.stream, run.phase = [], None, None, stream, Phase.RUNNING
     run.stages = iter(())
     run.engine = Engine()
     return run

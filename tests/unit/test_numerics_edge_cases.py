@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 import dmuon
-from dmuon.orthogonalization import newton_schulz, normalize, orthogonalize, orthogonalize_column_blocks, resolve_config
+from dmuon.column_block_ns import orthogonalize_column_blocks
+from dmuon.orthogonalization import newton_schulz, normalize, orthogonalize, resolve_config
 from dmuon.reference import ReferenceMuon
 from dmuon.step.elementwise import apply_updates_all
 from tests.harness import run_on_ranks

@@ -8,17 +8,10 @@ import pytest
 import torch
 
 import dmuon
-from dmuon import orthogonalization
-from dmuon.orthogonalization import (
-    NSConfig,
-    choose_method,
-    coefficient_schedule,
-    default_gram_restarts,
-    newton_schulz,
-    newton_schulz_flops,
-    orthogonalize,
-    polar_express_schedule,
-)
+from dmuon import ns_defaults, orthogonalization
+from dmuon.coefficients import coefficient_schedule, default_gram_restarts, polar_express_schedule
+from dmuon.ns_defaults import choose_method
+from dmuon.orthogonalization import NSConfig, newton_schulz, newton_schulz_flops, orthogonalize
 from dmuon.tools.ns_accuracy import compose, exact_polynomial, gradient_like, rel
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
@@ -307,21 +300,20 @@ def test_auto_method_choice(monkeypatch, native):
 
 @pytest.mark.parametrize("value,native", [("native", True), ("emulated", False)])
 def test_the_cpu_detection_can_be_overridden(monkeypatch, value, native):
-    import dmuon.orthogonalization as orthogonalization
 
-    monkeypatch.setenv(orthogonalization.CPU_BF16_OVERRIDE, value)
-    orthogonalization._cpu_bf16_native.cache_clear()
+    monkeypatch.setenv(ns_defaults.CPU_BF16_OVERRIDE, value)
+    ns_defaults._cpu_bf16_native.cache_clear()
     try:
-        assert orthogonalization.native_bf16("cpu") == native
-        assert orthogonalization.default_dtype("cpu", "standard") == (BF16 if native else F32)
-        assert ("bfloat16" if native else "emulated") in orthogonalization.default_dtype_reason("cpu")
-        monkeypatch.setenv(orthogonalization.CPU_BF16_OVERRIDE, "yes")
-        orthogonalization._cpu_bf16_native.cache_clear()
+        assert ns_defaults.native_bf16("cpu") == native
+        assert ns_defaults.default_dtype("cpu", "standard") == (BF16 if native else F32)
+        assert ("bfloat16" if native else "emulated") in ns_defaults.default_dtype_reason("cpu")
+        monkeypatch.setenv(ns_defaults.CPU_BF16_OVERRIDE, "yes")
+        ns_defaults._cpu_bf16_native.cache_clear()
         with pytest.raises(ValueError, match="DMUON_CPU_BF16='yes'"):
-            orthogonalization.native_bf16("cpu")
+            ns_defaults.native_bf16("cpu")
     finally:
         monkeypatch.undo()
-        orthogonalization._cpu_bf16_native.cache_clear()
+        ns_defaults._cpu_bf16_native.cache_clear()
 
 
 def test_gram_rejects_bf16():
@@ -348,7 +340,7 @@ def test_deepseek_v4_is_kellers_quintic_then_two_stabilizing_steps():
     """``ns_coefficients="deepseek_v4"``: 8 + 2 steps unless ``ns_steps`` says otherwise (the last two
     always stabilize, so at least 3); the stabilizing quintic keeps 1 fixed with zero slope, and
     the schedule ends far closer to the polar factor than Polar Express at 5 on a Gaussian matrix."""
-    from dmuon.orthogonalization import KELLER, STABILIZING, coefficient_schedule
+    from dmuon.coefficients import KELLER, STABILIZING, coefficient_schedule
 
     assert coefficient_schedule("deepseek_v4", None) == (*KELLER * 8, STABILIZING, STABILIZING)
     assert coefficient_schedule("deepseek_v4", 5) == (*KELLER * 3, STABILIZING, STABILIZING)

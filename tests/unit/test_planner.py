@@ -9,9 +9,10 @@ import time
 
 import pytest
 
+from dmuon.choices import split_replicas_is_cheaper
 from dmuon.layout import Layout, chunk_sizes
 from dmuon.orthogonalization import newton_schulz_flops
-from dmuon.planner import DEFAULT_FLOPS_PER_BYTE, Unit, make_plan, owner_cost, split_replicas_is_cheaper
+from dmuon.planner import DEFAULT_FLOPS_PER_BYTE, Unit, make_plan, owner_cost
 from dmuon.tools.models import get_config, matrix_shapes
 
 
@@ -153,8 +154,8 @@ def test_empty_matrices_are_planned_at_no_cost():
     any other matrix, no FLOPs, never split over a gang."""
     import torch
 
+    from dmuon.choices import choose_gangs, gang_costs, gang_member_cost, gang_member_flops
     from dmuon.orthogonalization import resolve_config
-    from dmuon.planner import choose_gangs, gang_costs, gang_member_cost, gang_member_flops
 
     shapes = [(0, 8), (8, 0), (0, 0), (16, 32)]
     units = [Unit(f"w{i}", Layout((m, n), 1, 2, (0, 1)), 1, m, n, 4,
@@ -190,9 +191,9 @@ def test_early_start_buckets_follow_the_backward_pass_and_balance_each_bucket(wo
 
 
 def test_choose_makes_every_choice_in_order():
-    """planner.choose: the options that turn choices off, and each choice where it pays."""
+    """choices.choose: the options that turn choices off, and each choice where it pays."""
+    from dmuon.choices import MatrixOptions, choose, column_block_cost
     from dmuon.orthogonalization import resolve_config
-    from dmuon.planner import MatrixOptions, choose, column_block_cost
 
     def options(shapes, world, replicas=1, column_blocks=False):
         out = []

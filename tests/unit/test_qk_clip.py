@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dmuon
-from dmuon import qk_clip
+from dmuon import attention, qk_clip
 from dmuon.qk_clip import AttentionLayer, QKClip, max_logits
 from dmuon.tools.models import Llama, SyntheticTokens, get_config
 
@@ -30,9 +30,9 @@ def brute_force_max_logits(q, k, scale, mask):
 
 
 @pytest.mark.parametrize("masking", ["causal", "bool", "additive"])
-@pytest.mark.parametrize("chunk", [qk_clip.SCORES_PER_CHUNK, 40])
+@pytest.mark.parametrize("chunk", [attention.SCORES_PER_CHUNK, 40])
 def test_max_logits_matches_brute_force(monkeypatch, masking, chunk):
-    monkeypatch.setattr(qk_clip, "SCORES_PER_CHUNK", chunk)
+    monkeypatch.setattr(attention, "SCORES_PER_CHUNK", chunk)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 6, 9, 4, generator=g), torch.randn(2, 3, 9, 4, generator=g)  # grouped-query
     causal = torch.ones(9, 9, dtype=torch.bool).tril()

@@ -1,4 +1,4 @@
-"""The planned owner exchange (DDP, FSDP2, HSDP, tensor parallel, one process): each matrix
+"""The row exchange (DDP, FSDP2, HSDP, tensor parallel, one process): each matrix
 gathered to its owner, orthogonalized there once, and every rank sent its rows of the update —
 bucket by bucket, communication overlapping compute::
 
@@ -71,7 +71,7 @@ class _Bucket:
     return_shapes: tuple[tuple[Shape, ...], ...]  # by source: the rows this rank gets back
 
 
-class PlannedExchange:
+class RowExchange:
     """The works of one exchange group, run as their :class:`~dmuon.planner.Plan` says."""
 
     def __init__(self, indices: Sequence[int], works: Sequence[MatrixWork], plan: Plan, device: torch.device) -> None:
@@ -138,7 +138,7 @@ class PlannedExchange:
 
     def stages(self, io: StepIO, ctx: Context) -> Iterator[int]:
         """The run, in stages: it yields ``k`` before it first reads an input of bucket ``k``, so
-        that early start (:mod:`dmuon.step.early_start`) can resume it once bucket ``k``'s gradients
+        that early start (:mod:`dmuon.step.early`) can resume it once bucket ``k``'s gradients
         are final, while the backward pass goes on. Every rank runs the same stages in the same
         order; only when each one runs may differ."""
         if self.process_group is None:
