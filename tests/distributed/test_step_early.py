@@ -1,7 +1,7 @@
 """Early start (dmuon.step.early): Newton–Schulz begun in the backward pass gives the same bits as
 the step without it, in every layout that supports it, at 1–4 ranks; where a layout does not
 support it, or the gradients change after the backward pass, the step runs as without it. DDP,
-with dmuon's comm hook: test_early_start_ddp.py."""
+with dmuon's comm hook: test_step_early_ddp.py."""
 
 from __future__ import annotations
 
