@@ -13,13 +13,9 @@ of bytes) fetch the details for the message — and then every rank raises the s
 The header has the same length at every entry point, so two ranks in different calls (one
 constructing an optimizer, another stepping one) still complete the all-reduce together and
 both learn what went wrong: a collective of mismatched sizes would abort the processes or leave
-one waiting. At ``step`` the header also carries whether some gradient may be non-finite, a
-digest of which parameters have no gradient (only when that digest differs between ranks does a
-second all-reduce send one flag per parameter), and two weighted sums of the gradient norms of
-the plain-tensor Muon parameters, which every rank holds whole as a replica: replicas have the
-same gradient on every rank (DDP's all-reduce gives them the same bits), so sums that differ
-beyond rounding mean that some "replica" is not one (a model on a sub-group of the ranks, or
-gradients nobody averaged), and every rank raises, naming the parameter, before anything moves.
+one waiting. A call may add fields of its own to the header (``CALL_FIELDS``): the step's —
+whether some gradient may be non-finite, which parameters have no gradient, early start's code,
+the replicas' gradient norms — are :mod:`dmuon.step.agreement`'s.
 
 A failure on one rank before the agreement — any exception of the rank's local part — travels
 as the failing rank's number, and every other rank raises an error carrying its message.
@@ -46,12 +42,9 @@ Words = tuple[int, int, int]
 ENTRIES = ("construction", "add_param_group", "load_state_dict", "step", "shard_by_owner", "QKClip")
 _WORD_BITS = 21
 # the header's fields, by position
-_ENTRY, _DIGEST, _FAILED, _NUMBER, _NONFINITE, _MISSING, _EARLY, _REPLICAS = 0, 2, 8, 9, 10, 11, 17, 18
+_ENTRY, _DIGEST, _FAILED, _NUMBER = 0, 2, 8, 9
 HEADER_LEN = 22
-# replicas' gradient norms agree to this relative tolerance (ranks may sum them in another order);
-# the check compares sums of their logarithms, so that a small replica counts as much as a large one
-REPLICA_RTOL = 1e-4
-LOG_WEIGHTS_MAX = 7  # the largest weight of dmuon.step.agreement._log_norm_sums's second sum
+CALL_FIELDS = slice(10, HEADER_LEN)  # the fields a call adds of its own (the step's: dmuon.step.agreement)
 
 
 def digest_words(fingerprint: Fingerprint) -> Words:
@@ -62,11 +55,11 @@ def digest_words(fingerprint: Fingerprint) -> Words:
     return tuple((value >> (_WORD_BITS * i)) & mask for i in range(3))  # type: ignore[return-value]
 
 
-def _both_signs(values: Sequence[int]) -> list[int]:
+def both_signs(values: Sequence[int]) -> list[int]:
     return [v for value in values for v in (value, -value)]
 
 
-def _differs(fields: Sequence[float], start: int, count: int) -> bool:
+def differs(fields: Sequence[float], start: int, count: int) -> bool:
     """Whether the ``count`` (x, −x) pairs from ``start`` differ between ranks (max ≠ min)."""
     return any(fields[start + 2 * i] != -fields[start + 2 * i + 1] for i in range(count))
 
@@ -96,28 +89,9 @@ class Agreed:
         return int(self.fields[_NUMBER])
 
     @property
-    def nonfinite(self) -> bool:
-        """Some rank's quick look flagged a gradient (step)."""
-        return self.fields[_NONFINITE] > 0
-
-    @property
-    def early(self) -> int:
-        """The highest early-start code of any rank (step): 0 use the early run's updates, 1 do not,
-        2 do not and turn early start off."""
-        return int(self.fields[_EARLY])
-
-    @property
-    def missing_differs(self) -> bool:
-        """The ranks lack gradients for different parameters (step)."""
-        return _differs(self.fields, _MISSING, 3)
-
-    def replicas_differ(self, count: int) -> bool:
-        """The sums of the logarithms of ``count`` replicas' gradient norms (:func:`_log_norm_sums`)
-        differ between ranks beyond rounding (step): by more than ``REPLICA_RTOL`` for each
-        replica, whatever its size."""
-        pairs = [(self.fields[_REPLICAS + 2 * i], -self.fields[_REPLICAS + 2 * i + 1]) for i in range(2)]
-        tolerance = REPLICA_RTOL * LOG_WEIGHTS_MAX * max(1, count)
-        return any(high - low > tolerance for high, low in pairs)
+    def call_fields(self) -> tuple[float, ...]:
+        """The fields the call added of its own (``CALL_FIELDS``), all-reduced."""
+        return self.fields[CALL_FIELDS]
 
 
 # A failure on another rank is raised here as the same type where it is one of these (else RuntimeError).
@@ -136,10 +110,8 @@ def agree(
     what: str = "optimizer configuration",
     counter: CommCounter | None = None,
     number: int = 0,
-    nonfinite: Tensor | None = None,
-    missing: Words = (0, 0, 0),
-    early: int = 0,
-    replica_sums: Tensor | None = None,
+    call_fields: Sequence[float] = (),
+    fill: Callable[[Tensor], None] | None = None,
 ) -> Agreed:
     """Run the agreement of one collective call over ``process_group``.
 
@@ -147,20 +119,18 @@ def agree(
     function that lists them, called only when needed); only its digest travels unless ranks
     differ. A caller that has the digest already passes ``words``. ``error`` is this rank's own
     failure, if any: every other rank then raises an error of its type (a built-in one's, else
-    RuntimeError) carrying its message, and this rank re-raises it. ``number``, ``nonfinite`` (a
-    bool tensor on ``device``, read with the rest: no extra host sync), ``missing``, ``early``
-    (this rank's early-start code, :attr:`Agreed.early`) and ``replica_sums`` (two floats on
-    ``device``, :attr:`Agreed.replicas_differ`) are the construction's and the step's extra
-    fields.
+    RuntimeError) carrying its message, and this rank re-raises it. ``number`` is the
+    construction's field; ``call_fields`` a call's own (at most 12, the rest zeros), and ``fill``
+    writes device values into them on the device (no extra host sync).
     Raises the same error on every rank when the ranks are in different calls, hold different
     configurations, or one of them failed.
     """
     if words is None:
         words = digest_words(fingerprint() if callable(fingerprint) else fingerprint or ())
     code = ENTRIES.index(entry) + 1
-    values = [code, -code, *_both_signs(words), dist.get_rank() + 1 if error is not None else 0, number, 0,
-              *_both_signs(missing), early, 0, 0, 0, 0]
-    header = _header(values, device, nonfinite, replica_sums)
+    extra = [*call_fields, *[0] * (CALL_FIELDS.stop - CALL_FIELDS.start - len(call_fields))]
+    values = [code, -code, *both_signs(words), dist.get_rank() + 1 if error is not None else 0, number, *extra]
+    header = _header(values, device, fill)
     fields = tuple(all_reduce_max(header, process_group, counter).tolist())  # the one host read
     codes = (int(fields[_ENTRY]), -int(fields[_ENTRY + 1]))
     if codes[0] != codes[1]:
@@ -172,7 +142,7 @@ def agree(
         )
     if fields[_FAILED] > 0:
         _raise_shared(error, process_group, device)
-    if _differs(fields, _DIGEST, 3):
+    if differs(fields, _DIGEST, 3):
         described = fingerprint() if callable(fingerprint) else fingerprint
         if described is None:
             raise RuntimeError(f"Ranks disagree on the {what} (its digest differs between ranks).")
@@ -181,17 +151,14 @@ def agree(
     return Agreed(fields)
 
 
-def _header(values: list[int], device: torch.device, nonfinite: Tensor | None, replica_sums: Tensor | None
-            ) -> Tensor:
-    """The header's fields on ``device``, the step's device-side ones (no host read) filled in."""
+def _header(values: list[int], device: torch.device, fill: Callable[[Tensor], None] | None) -> Tensor:
+    """The header's fields on ``device``, the call's device-side ones (no host read) filled in."""
     header = torch.tensor(values, dtype=torch.float32)
     if device.type == "cuda":  # from pinned memory the copy does not wait for the step's kernels
         header = header.pin_memory()
     header = header.to(device, non_blocking=True)
-    if nonfinite is not None:
-        header[_NONFINITE] = nonfinite.to(torch.float32).reshape(())
-    if replica_sums is not None:
-        header[_REPLICAS:_REPLICAS + 4] = torch.stack([replica_sums, -replica_sums], dim=1).reshape(-1)
+    if fill is not None:
+        fill(header[CALL_FIELDS])
     return header
 
 

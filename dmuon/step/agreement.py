@@ -10,17 +10,72 @@ import json
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.agreement import LOG_WEIGHTS_MAX, REPLICA_RTOL, Fingerprint, agree, digest_words
+from dmuon.agreement import Agreed, Fingerprint, Words, agree, both_signs, differs, digest_words
 from dmuon.exchange import CommCounter, all_gather_bytes, all_reduce_max
 from dmuon.tensors import finite_flags, grad_norms, local
 
+# the step's fields in the agreement's header (its CALL_FIELDS), by position
+_NONFINITE, _MISSING, _EARLY, _REPLICAS = 0, 1, 7, 8
+# replicas' gradient norms agree to this relative tolerance (ranks may sum them in another order);
+# the check compares sums of their logarithms, so that a small replica counts as much as a large one
+REPLICA_RTOL = 1e-4
+LOG_WEIGHTS_MAX = 7  # the largest weight of _log_norm_sums's second sum
 _LOG_OF_NONFINITE = 100.0  # a norm that overflowed (a huge, finite gradient): above any fp32 norm's log (88.7)
+
+
+def step_fields(missing: Words, early: int) -> list[float]:
+    """The step's fields as this rank sends them, but for those on the device (:func:`fill_step_fields`)."""
+    return [0, *both_signs(missing), early, 0, 0, 0, 0]
+
+
+def fill_step_fields(fields: Tensor, nonfinite: Tensor | None, replica_sums: Tensor | None) -> None:
+    """Write the step's device-side fields into the header (no host read): whether some gradient
+    may be non-finite (a bool tensor) and the two sums of the replicas' norms (:func:`_log_norm_sums`)."""
+    if nonfinite is not None:
+        fields[_NONFINITE] = nonfinite.to(torch.float32).reshape(())
+    if replica_sums is not None:
+        fields[_REPLICAS:_REPLICAS + 4] = torch.stack([replica_sums, -replica_sums], dim=1).reshape(-1)
+
+
+class StepAgreed(NamedTuple):
+    """The step's fields after the all-reduce, as every rank reads them."""
+
+    fields: tuple[float, ...]
+
+    @classmethod
+    def of(cls, agreed: Agreed) -> StepAgreed:
+        return cls(agreed.call_fields)
+
+    @property
+    def nonfinite(self) -> bool:
+        """Some rank's quick look flagged a gradient."""
+        return self.fields[_NONFINITE] > 0
+
+    @property
+    def early(self) -> int:
+        """The highest early-start code of any rank: 0 use the early run's updates, 1 do not,
+        2 do not and turn early start off."""
+        return int(self.fields[_EARLY])
+
+    @property
+    def missing_differs(self) -> bool:
+        """The ranks lack gradients for different parameters."""
+        return differs(self.fields, _MISSING, 3)
+
+    def replicas_differ(self, count: int) -> bool:
+        """The sums of the logarithms of ``count`` replicas' gradient norms (:func:`_log_norm_sums`)
+        differ between ranks beyond rounding: by more than ``REPLICA_RTOL`` for each replica,
+        whatever its size."""
+        pairs = [(self.fields[_REPLICAS + 2 * i], -self.fields[_REPLICAS + 2 * i + 1]) for i in range(2)]
+        tolerance = REPLICA_RTOL * LOG_WEIGHTS_MAX * max(1, count)
+        return any(high - low > tolerance for high, low in pairs)
 
 class PreparedStep(NamedTuple):
     """This rank's part of a step before the agreement (its checks of its settings and gradients)."""
@@ -28,7 +83,7 @@ class PreparedStep(NamedTuple):
     params: list[Tensor]  # every parameter of the optimizer, in group order
     here: list[bool]  # whether this rank steps each (owner sharding: only the owner does)
     replicas: list[bool]  # whether each is a replica every rank holds whole (a plain-tensor Muon parameter)
-    early: int  # this rank's early-start code (:attr:`Agreed.early`)
+    early: int  # this rank's early-start code (:attr:`StepAgreed.early`)
 
 
 def agree_on_step(prepared: PreparedStep | Exception, policy: str, process_group: dist.ProcessGroup | None,
@@ -65,9 +120,10 @@ def agree_on_step(prepared: PreparedStep | Exception, policy: str, process_group
     missing_words = digest_words([("missing", json.dumps(missing))])
     agreed = None
     if process_group is not None:
-        agreed = agree("step", fingerprint, process_group, device(), error=error, counter=counter,
-                       nonfinite=suspect.any() if suspect is not None else None, missing=missing_words, early=code,
-                       replica_sums=replica_sums)
+        nonfinite = suspect.any() if suspect is not None else None
+        agreed = StepAgreed.of(agree("step", fingerprint, process_group, device(), error=error, counter=counter,
+                                     call_fields=step_fields(missing_words, code),
+                                     fill=partial(fill_step_fields, nonfinite=nonfinite, replica_sums=replica_sums)))
         code = agreed.early
     if error is not None:
         raise error
@@ -114,9 +170,9 @@ def _left_alone_everywhere(missing: set[int], count: int, checked: Sequence[int]
     flags = torch.tensor([float(i in missing) for i in range(count)], device=device)
     everywhere = all_reduce_max(flags, process_group, counter).tolist()
     left_alone = {i for i, f in enumerate(everywhere) if f > 0}
-    partial = [names()[i] for i in sorted(left_alone) if i in checked]
-    if partial:  # stacklevel: <- agree_on_step <- Stepper.step <- Muon.step <- its caller
-        warnings.warn(f"Muon left {partial} alone: some ranks have no gradient for them.", stacklevel=5)
+    lacking = [names()[i] for i in sorted(left_alone) if i in checked]
+    if lacking:  # stacklevel: <- agree_on_step <- Stepper.step <- Muon.step <- its caller
+        warnings.warn(f"Muon left {lacking} alone: some ranks have no gradient for them.", stacklevel=5)
     return left_alone
 
 
