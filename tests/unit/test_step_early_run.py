@@ -29,6 +29,15 @@ def _armed(early_start: bool = True) -> tuple[nn.Module, dmuon.Muon]:
     return model, opt
 
 
+def _without_early_start(seeds: tuple[int, ...]) -> nn.Module:
+    """The same model after the same backward passes and a step with early start off."""
+    model, opt = _armed(early_start=False)
+    for seed in seeds:
+        _backward(model, seed)
+    opt.step()
+    return model
+
+
 def test_a_backward_pass_runs_every_bucket_and_the_step_uses_it():
     model, opt = _armed()
     run = opt.stepper.early._run
@@ -42,7 +51,6 @@ def test_a_backward_pass_runs_every_bucket_and_the_step_uses_it():
 
 def test_accumulating_holds_the_run_back_until_the_next_backward_pass():
     model, opt = _armed()
-    twin, twin_opt = _armed(early_start=False)
     run = opt.stepper.early._run
     with opt.accumulating():
         _backward(model, 1)
@@ -50,24 +58,19 @@ def test_accumulating_holds_the_run_back_until_the_next_backward_pass():
     _backward(model, 2)
     assert run.phase is Phase.RUNNING and run.next is None
     opt.step()
-    for seed in (1, 2):
-        _backward(twin, seed)
-    twin_opt.step()
+    twin = _without_early_start((1, 2))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
 
 
 def test_a_second_backward_pass_repeats_the_run_and_the_step_redoes_its_work():
     model, opt = _armed()
-    twin, twin_opt = _armed(early_start=False)
     run = opt.stepper.early._run
     _backward(model, 1)
     _backward(model, 2)
     assert run.phase is Phase.REPEATED and run.verdict(opt.state) == CHANGED
     with pytest.warns(UserWarning, match="early start turned off: the gradients changed"):
         opt.step()
-    for seed in (1, 2):
-        _backward(twin, seed)
-    twin_opt.step()
+    twin = _without_early_start((1, 2))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
 
 
