@@ -1,5 +1,6 @@
-"""Tiny tensor helpers every floor uses: this rank's piece of a tensor, and the finite checks.
-Imports nothing of dmuon."""
+"""Tiny tensor helpers every floor uses: this rank's piece of a tensor, the finite checks, and
+the digests of a tensor's values (early start's check that a gradient is unchanged; the
+fingerprint of unnamed replicas). Imports nothing of dmuon."""
 
 from __future__ import annotations
 
