@@ -90,9 +90,9 @@ def test_cpu_profile_is_measured_and_cached():
 
 
 def test_ns_flops_per_rank_sum_to_the_model_total_with_dmuons_recipe(monkeypatch):
-    import dmuon.orthogonalization as orthogonalization
+    import dmuon.ns_defaults as ns_defaults
 
-    monkeypatch.setattr(orthogonalization, "native_bf16", lambda device_type: True)  # a CPU with AVX512-BF16 or AMX
+    monkeypatch.setattr(ns_defaults, "native_bf16", lambda device_type: True)  # a CPU with AVX512-BF16 or AMX
     for profile, expect in ((H100, {"gram": torch.float16, "standard": torch.float16}),
                             (dataclasses.replace(H100, device_type="cpu"), {"standard": torch.bfloat16})):
         w = workload(world=16, profile=profile)

@@ -289,7 +289,7 @@ def test_auto_method_choice(monkeypatch, native):
     fp32 (Gram for wide matrices) where they are emulated."""
     import dmuon.orthogonalization as orthogonalization
 
-    monkeypatch.setattr(orthogonalization, "native_bf16", lambda device_type: device_type == "cuda" or native)
+    monkeypatch.setattr(ns_defaults, "native_bf16", lambda device_type: device_type == "cuda" or native)
     assert choose_method((64, 64), "auto", F16, "cuda") == ("standard", F16)
     assert choose_method((64, 256), "auto", None, "cuda") == ("gram", F16)
     assert choose_method((256, 64), "auto", F32, "cpu") == ("gram", F32)
