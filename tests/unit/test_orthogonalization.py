@@ -287,7 +287,6 @@ def test_converges_to_polar_factor(method):
 def test_auto_method_choice(monkeypatch, native):
     """The CPU default follows the processor: bf16 (never Gram) where its products are native,
     fp32 (Gram for wide matrices) where they are emulated."""
-
     monkeypatch.setattr(ns_defaults, "native_bf16", lambda device_type: device_type == "cuda" or native)
     assert choose_method((64, 64), "auto", F16, "cuda") == ("standard", F16)
     assert choose_method((64, 256), "auto", None, "cuda") == ("gram", F16)
