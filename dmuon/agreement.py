@@ -111,7 +111,7 @@ def agree(
     counter: CommCounter | None = None,
     number: int = 0,
     call_fields: Sequence[float] = (),
-    fill: Callable[[Tensor], None] | None = None,
+    device_fields: Sequence[tuple[int, Tensor]] = (),
 ) -> Agreed:
     """Run the agreement of one collective call over ``process_group``.
 
@@ -120,8 +120,9 @@ def agree(
     differ. A caller that has the digest already passes ``words``. ``error`` is this rank's own
     failure, if any: every other rank then raises an error of its type (a built-in one's, else
     RuntimeError) carrying its message, and this rank re-raises it. ``number`` is the
-    construction's field; ``call_fields`` a call's own (at most 12, the rest zeros), and ``fill``
-    writes device values into them on the device (no extra host sync).
+    construction's field; ``call_fields`` a call's own (at most 12, the rest zeros), and
+    ``device_fields`` (position among them, float32 values on ``device``) those of them that are
+    on the device already: written there, with no extra host sync.
     Raises the same error on every rank when the ranks are in different calls, hold different
     configurations, or one of them failed.
     """
@@ -130,7 +131,7 @@ def agree(
     code = ENTRIES.index(entry) + 1
     extra = [*call_fields, *[0] * (CALL_FIELDS.stop - CALL_FIELDS.start - len(call_fields))]
     values = [code, -code, *both_signs(words), dist.get_rank() + 1 if error is not None else 0, number, *extra]
-    header = _header(values, device, fill)
+    header = _header(values, device, device_fields)
     fields = tuple(all_reduce_max(header, process_group, counter).tolist())  # the one host read
     codes = (int(fields[_ENTRY]), -int(fields[_ENTRY + 1]))
     if codes[0] != codes[1]:
@@ -151,14 +152,15 @@ def agree(
     return Agreed(fields)
 
 
-def _header(values: list[int], device: torch.device, fill: Callable[[Tensor], None] | None) -> Tensor:
-    """The header's fields on ``device``, the call's device-side ones (no host read) filled in."""
+def _header(values: list[int], device: torch.device, device_fields: Sequence[tuple[int, Tensor]]) -> Tensor:
+    """The header's fields on ``device``, the call's device-side ones (no host read) written in."""
     header = torch.tensor(values, dtype=torch.float32)
     if device.type == "cuda":  # from pinned memory the copy does not wait for the step's kernels
         header = header.pin_memory()
     header = header.to(device, non_blocking=True)
-    if fill is not None:
-        fill(header[CALL_FIELDS])
+    for at, field_values in device_fields:
+        start = CALL_FIELDS.start + at
+        header[start:start + field_values.numel()] = field_values
     return header
 
 

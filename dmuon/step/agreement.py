@@ -10,7 +10,6 @@ import json
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -31,17 +30,20 @@ _LOG_OF_NONFINITE = 100.0  # a norm that overflowed (a huge, finite gradient): a
 
 
 def step_fields(missing: Words, early: int) -> list[float]:
-    """The step's fields as this rank sends them, but for those on the device (:func:`fill_step_fields`)."""
+    """The step's fields as this rank sends them, but for those on the device (:func:`device_step_fields`)."""
     return [0, *both_signs(missing), early, 0, 0, 0, 0]
 
 
-def fill_step_fields(fields: Tensor, nonfinite: Tensor | None, replica_sums: Tensor | None) -> None:
-    """Write the step's device-side fields into the header (no host read): whether some gradient
-    may be non-finite (a bool tensor) and the two sums of the replicas' norms (:func:`_log_norm_sums`)."""
+def device_step_fields(nonfinite: Tensor | None, replica_sums: Tensor | None) -> list[tuple[int, Tensor]]:
+    """The step's fields that are on the device (no host read), by position: whether some
+    gradient may be non-finite (a bool tensor) and the two sums of the replicas' norms
+    (:func:`_log_norm_sums`), each with its negation."""
+    fields = []
     if nonfinite is not None:
-        fields[_NONFINITE] = nonfinite.to(torch.float32).reshape(())
+        fields.append((_NONFINITE, nonfinite.to(torch.float32).reshape(1)))
     if replica_sums is not None:
-        fields[_REPLICAS:_REPLICAS + 4] = torch.stack([replica_sums, -replica_sums], dim=1).reshape(-1)
+        fields.append((_REPLICAS, torch.stack([replica_sums, -replica_sums], dim=1).reshape(-1)))
+    return fields
 
 
 class StepAgreed(NamedTuple):
@@ -123,7 +125,7 @@ def agree_on_step(prepared: PreparedStep | Exception, policy: str, process_group
         nonfinite = suspect.any() if suspect is not None else None
         agreed = StepAgreed.of(agree("step", fingerprint, process_group, device(), error=error, counter=counter,
                                      call_fields=step_fields(missing_words, code),
-                                     fill=partial(fill_step_fields, nonfinite=nonfinite, replica_sums=replica_sums)))
+                                     device_fields=device_step_fields(nonfinite, replica_sums)))
         code = agreed.early
     if error is not None:
         raise error
