@@ -9,8 +9,9 @@ the one place that decides: the cost model's choices come from :func:`dmuon.choi
 which ``dmuon plan`` calls too, and the engine (:mod:`dmuon.step.engine`) only runs what the plan
 lists. The optimizer keeps one plan and rebuilds it only when its key changes: other parameter
 objects (as after Accelerate's ``prepare``), other parameters with a gradient, a changed
-``requires_grad``, other Newton–Schulz options, or a new group or loaded state. A step then only
-moves values (:mod:`dmuon.step.values`).
+``requires_grad``, other Newton–Schulz options, a change in whether early start may run it
+(which decides its bucket order: :mod:`dmuon.step.early.eligibility`), or a new group or loaded
+state. A step then only moves values (:mod:`dmuon.step.values`).
 """
 
 from __future__ import annotations
