@@ -46,6 +46,7 @@ from dmuon.step.engine import Engine, StepStats
 from dmuon.step.plan import StepPlan, StepPlanner, steps_here
 from dmuon.step.statistics import step_statistics
 from dmuon.step.values import StepValues
+from dmuon.strategies.base import MatrixWork
 
 Groups = Sequence[dict[str, Any]]
 
@@ -141,8 +142,7 @@ class Stepper:
         """At construction: every layout detected and planned, so that an unsupported one raises
         before any collective; with ``early_start=True``, where the layouts cannot run it."""
         here = self.stepped_here(groups)
-        follows_backward, works = self.planner.planned_works(here, self.eligibility(self.device(groups)))
-        self.planner.exchange_plans(works, follows_backward)
+        works, _ = self._exchange_plans(groups, here)
         if self.options.early_start and here:
             self.early.check(works, self.compiled, ddp_may_follow=True)  # register_ddp_comm_hook comes after
 
@@ -154,8 +154,14 @@ class Stepper:
         """The exchange plans the next step would run, worked out without keeping anything."""
         # a frozen parameter (requires_grad=False, no gradient) is in no step: nor in its plan
         here = [m for m in self.stepped_here(groups) if m.param.requires_grad or m.param.grad is not None]
-        follows_backward, works = self.planner.planned_works(here, self.eligibility(self.device(groups)))
-        return self.planner.exchange_plans(works, follows_backward)
+        return self._exchange_plans(groups, here)[1]
+
+    def _exchange_plans(self, groups: Groups, entries: Sequence[param_groups.MuonParam]
+                        ) -> tuple[list[MatrixWork], list[Plan]]:
+        """The works of a plan for ``entries`` and the plan of each of its exchanges, worked out
+        as the next step would (:meth:`step_plan`), its strategies not built and nothing kept."""
+        follows_backward, works = self.planner.planned_works(entries, self.eligibility(self.device(groups)))
+        return works, self.planner.exchange_plans(works, follows_backward)
 
     def step_plan(self, groups: Groups, entries: Sequence[param_groups.MuonParam]) -> StepPlan:
         """The plan kept, unless what it depends on changed (:func:`dmuon.step.plan.plan_key`).

@@ -159,30 +159,17 @@ def test_no_product_module_over_500_lines_class_over_250_nor_function_over_60():
 
 def _import_graph() -> dict[str, set[str]]:
     """Each product module (packages as their ``__init__``) → the product modules it imports,
-    anywhere in the file: inside functions and under ``TYPE_CHECKING`` too."""
+    anywhere in the file: inside functions and under ``TYPE_CHECKING`` too (a name imported from
+    a package, not a module of it, counts as the package)."""
     modules = {}
     for path in (ROOT / "dmuon").rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
         if "tools" in parts or parts[-1] == "__main__":
             continue
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph = {}
-    for module, path in modules.items():
-        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names if a.name in modules}
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    above = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    base = ".".join([*above, *filter(None, [base])])
-                for alias in node.names:
-                    full = f"{base}.{alias.name}"
-                    found.add(full if full in modules else base)
-        graph[module] = (found & set(modules)) - {module}
-    return graph
+    return {module: ({name if name in modules else name.rsplit(".", 1)[0] for name in dmuon_imports(path)}
+                     & set(modules)) - {module}
+            for module, path in modules.items()}
 
 
 def test_the_product_has_no_import_circle():
