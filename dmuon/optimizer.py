@@ -59,9 +59,9 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: Newton–Schulz's compute dtype; None fits the processor (fp16 on CUDA; bf16 for
             standard NS on CPUs with native bf16, else fp32).
         ns_restarts: Gram NS restart steps (None: placed for the schedule).
-        ns_blocks: fused weights' row blocks, orthogonalized apart: an int k or row counts.
-        update_rule: the owner's step after Newton–Schulz (:mod:`dmuon.rules`): "muon" (none) or
-            "normuon" (rows divided by their running RMS, the norm restored).
+        ns_blocks: fused weights' row blocks, orthogonalized apart (:mod:`dmuon.row_blocks`): k, row counts,
+            row-index lists, dmuon.interleaved(k), dmuon.per_head(heads, sizes).
+        update_rule: after Newton–Schulz (:mod:`dmuon.rules`): "muon" (none), "normuon" (rows over their RMS).
         beta2: NorMuon's second-moment decay, in [0, 1).
         momentum_dtype: the momentum's dtype: None (the parameter's), bfloat16, float32, int8 (8-bit blocks).
         adamw_betas, adamw_eps: AdamW's betas and eps.
@@ -119,7 +119,7 @@ class Muon(torch.optim.Optimizer):
         ns_method: str = "auto",
         ns_dtype: torch.dtype | str | None = None,
         ns_restarts: Sequence[int] | None = None,
-        ns_blocks: int | Sequence[int] | None = None,
+        ns_blocks: int | Sequence[int] | Sequence[Sequence[int]] | dict | None = None,
         update_rule: str = "muon",
         beta2: float = 0.95,
         momentum_dtype: torch.dtype | str | None = None,

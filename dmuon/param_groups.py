@@ -35,7 +35,8 @@ from dmuon.hyperparameters import (
 )
 from dmuon.layout import owned_by
 from dmuon.ns_defaults import default_dtype_reason
-from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, Route, block_rows, default_route, matrix_shape
+from dmuon.routing import ALGORITHMS, MATRIX_VIEWS, Route, default_route, matrix_shape
+from dmuon.row_blocks import check_pattern, plain_pattern, row_blocks
 from dmuon.tensors import label
 
 Entry = tuple[str | None, Tensor]
@@ -119,8 +120,7 @@ def build_group(param_group: dict[str, Any], defaults: dict[str, Any], index: in
         group.setdefault(key, defaults[key])
     group["ns_dtype"] = dtype_name(group["ns_dtype"], where)
     group["momentum_dtype"] = dtype_name(group["momentum_dtype"], where, "momentum_dtype")
-    if not isinstance(group["ns_blocks"], (int, type(None))):
-        group["ns_blocks"] = list(group["ns_blocks"])  # plain values: DCP state dicts take them
+    group["ns_blocks"] = plain_pattern(group["ns_blocks"])  # plain values: DCP state dicts take them
     group.update(adamw_options(param_group, defaults), algorithm=algorithm, base_lr=float(group["lr"]))
     if algorithm == "normuon":  # Muon's engine, with NorMuon's rule
         group["update_rule"] = "normuon"
@@ -157,10 +157,9 @@ def route(name: str | None, param: Tensor, index: int, algorithm: str | None, vi
             _, m, _ = matrix_shape(param.shape, chosen.matrix_view)
         except ValueError as err:
             raise ValueError(f"{label}{where}: {err} Put it in an 'adamw' group.") from None
-        try:
-            block_rows(group["ns_blocks"], m)
-        except ValueError as err:
-            raise ValueError(f"{err} ({label}{where})") from None
+        shard_rows = matrix_shape(tensors.local(param).shape, chosen.matrix_view)[1] if isinstance(param, DTensor) \
+            else None
+        check_pattern(group["ns_blocks"], m, shard_rows, f"{label}{where}")
         check_momentum_blocks(group, param, label, where)
     return chosen
 
@@ -363,7 +362,8 @@ def default_dtype_reasons(groups: Sequence[dict[str, Any]]) -> list[str]:
 def fused_hint(name: str, m: int, n: int) -> str:
     """What to know about a matrix whose name says it fuses several projections."""
     text = (f"note: {name} ({m}x{n}) looks like fused projections, orthogonalized here as one matrix; a param group's "
-            "ns_blocks (row counts, e.g. [q, kv, kv]) orthogonalizes each block on its own")
+            "ns_blocks (row counts, e.g. [q, kv, kv]; dmuon.interleaved(2) for alternating rows) orthogonalizes each "
+            "block on its own")
     if "c_attn" in name:  # GPT-2's Conv1D stores (in, out): its q, k and v sit side by side in columns
         text += ", but GPT-2's Conv1D holds its blocks side by side along dim 1, which ns_blocks does not split"
     return text
@@ -382,6 +382,8 @@ def routing_summary(groups: Sequence[dict[str, Any]]) -> str:
             if algorithm == "muon":
                 count, m, n = matrix_shape(p.shape, group["matrix_views"][i])
                 matrices = f"{count} x {m}x{n}"
+                if group["ns_blocks"] is not None:
+                    matrices += f" in {row_blocks(group['ns_blocks'], m).describe()}"
                 if group["ns_blocks"] is None and p.requires_grad and looks_fused(name):
                     notes.append(fused_hint(name, m, n))
             else:

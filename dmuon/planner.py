@@ -59,6 +59,7 @@ class Unit:
     itemsize: int  # bytes per element on the wire to the owner
     flops: int  # Newton–Schulz FLOPs for all its matrices
     return_itemsize: int | None = None  # bytes per element of the update on its way back (None: itemsize)
+    blocks: str = ""  # a fused weight's row blocks, each orthogonalized on its own (dmuon.row_blocks), described
 
     @property
     def back_itemsize(self) -> int:
@@ -192,7 +193,7 @@ class Plan:
 
     def table(self) -> str:
         """The strategy; per rank (global rank): matrices owned, NS GFLOPs, MB out and in; then
-        the imbalance."""
+        the imbalance, and each fused weight's row blocks and owner."""
         ranks = self.units[0].layout.group_ranks if self.units else range(self.size)
         lines = [f"exchange: {self.strategy}",
                  f"{'rank':>4}  {'matrices':>8}  {'NS GFLOP':>9}  {'MB out':>8}  {'MB in':>8}"]
@@ -202,6 +203,8 @@ class Plan:
                 f"{self.bytes_sent(p) / 2**20:>8.2f}  {self.bytes_received(p) / 2**20:>8.2f}"
             )
         lines.append(f"imbalance (max/mean NS FLOPs): {self.imbalance:.3f}; buckets: {len(self.buckets)}")
+        lines += [f"fused: {u.name} ({u.count} x {u.m}x{u.n}) in {u.blocks}, owner {ranks[owner]}"
+                  for u, owner in zip(self.units, self.owners) if u.blocks]
         return "\n".join(lines)
 
 

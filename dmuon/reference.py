@@ -8,7 +8,7 @@ It computes the momentum, the update and the lr factor itself. From the package 
 the Newton–Schulz core (``dmuon.orthogonalization.newton_schulz``, tested on its own against the
 exact polynomial), the update rules (:mod:`dmuon.rules`, NorMuon's tested on its own against the
 paper's algorithm) and what configures them: Muon's defaults, how a parameter is read as
-matrices and row blocks (``dmuon.routing.matrix_shape``, ``block_rows``) and a dtype option's
+matrices and row blocks (``dmuon.routing.matrix_shape``, ``dmuon.row_blocks.row_blocks``) and a dtype option's
 name (``dmuon.hyperparameters.dtype_name``).
 """
 
@@ -26,7 +26,8 @@ from dmuon import momentum
 from dmuon.hyperparameters import dtype_name
 from dmuon.optimizer import Muon
 from dmuon.orthogonalization import newton_schulz
-from dmuon.routing import block_rows, matrix_shape, row_shape
+from dmuon.routing import matrix_shape, row_shape
+from dmuon.row_blocks import row_blocks
 from dmuon.rules import RULES, apply_rule
 
 # The hyperparameters the reference's step reads, listed here rather than taken from the fast
@@ -88,20 +89,24 @@ class ReferenceMuon(torch.optim.Optimizer):
                 ns_input = ns_input.to(p.dtype)
                 count, m, n = matrix_shape(p.shape, group["matrix_view"])
                 matrices = ns_input.reshape(count, m, n)
-                rows = block_rows(group["ns_blocks"], m)
-                # fused weights: every block orthogonalized (and below, ruled and scaled) as its own matrix
-                update = torch.stack([torch.cat([self._orthogonalize(b, group) for b in matrices[i].split(rows)])
-                                      for i in range(count)])
+                blocks = row_blocks(group["ns_blocks"], m).indices()
+                # fused weights: every block's rows orthogonalized (and below, ruled and scaled) as one matrix
+                results = [[self._orthogonalize(matrices[i][rows], group) for rows in blocks] for i in range(count)]
+                update = matrices.new_empty((count, m, n), dtype=results[0][0].dtype)
+                for i, of_matrix in enumerate(results):
+                    for rows, result in zip(blocks, of_matrix):
+                        update[i, rows] = result
                 rule = RULES[group["update_rule"]]
                 if rule.fn is not None:
                     row_state = state.setdefault(rule.state, torch.zeros(row_shape(p.shape, group["matrix_view"]),
-                                                                         device=p.device))
-                    update, new_state = apply_rule(rule, update, row_state.view(count, m), rows, group)
-                    row_state.view(count, m).copy_(new_state)
+                                                                         device=p.device)).view(count, m)
+                    for rows in blocks:
+                        update[:, rows], row_state[:, rows] = apply_rule(rule, update[:, rows], row_state[:, rows],
+                                                                         [len(rows)], group)
                 scale = lr_factor(group["adjust_lr_fn"], m, n)
-                if len(rows) > 1:
-                    for i, block in enumerate(update.split(rows, dim=1)):
-                        block.mul_(lr_factor(group["adjust_lr_fn"], rows[i], n))
+                if len(blocks) > 1:
+                    for rows in blocks:
+                        update[:, rows] = update[:, rows] * lr_factor(group["adjust_lr_fn"], len(rows), n)
                     scale = 1.0
                 lr = float(group["lr"])
                 p.mul_(1 - lr * group["weight_decay"])

@@ -149,19 +149,3 @@ def row_shape(shape: Iterable[int], matrix_view: str) -> tuple[int, ...]:
 def is_stack(param: Tensor, matrix_view: str) -> bool:
     """Whether Muon sees ``param`` as a stack of matrices along dim 0 (3-D expert weights)."""
     return param.ndim == 3 and matrix_view in ("auto", "batch")
-
-
-def block_rows(ns_blocks: int | Iterable[int] | None, m: int) -> tuple[int, ...]:
-    """The row blocks Muon orthogonalizes separately in an m-row matrix (fused weights: QKV,
-    gate/up, per head): ``None`` → one block; an int k → blocks of k rows; a sequence → those
-    row counts, which must add up to m."""
-    if ns_blocks is None:
-        return (m,)
-    if isinstance(ns_blocks, int) and not isinstance(ns_blocks, bool):
-        if ns_blocks < 1 or m % ns_blocks:
-            raise ValueError(f"Invalid ns_blocks={ns_blocks}: blocks of {ns_blocks} rows do not tile {m} rows.")
-        return (ns_blocks,) * (m // ns_blocks)
-    rows = tuple(ns_blocks)
-    if not rows or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in rows) or sum(rows) != m:
-        raise ValueError(f"Invalid ns_blocks={list(rows)}: row counts must be positive ints adding up to {m}.")
-    return rows

@@ -30,7 +30,8 @@ from dmuon.hyperparameters import EngineOptions, adjusted_lr_ratio, ns_config
 from dmuon.layout import detect_layout, owned_by
 from dmuon.param_groups import MuonParam
 from dmuon.planner import DEFAULT_FLOPS_PER_BYTE, Plan, Unit, exchange_groups, exchange_plans
-from dmuon.routing import block_rows, is_stack, matrix_shape
+from dmuon.routing import is_stack, matrix_shape
+from dmuon.row_blocks import row_blocks
 from dmuon.rules import UpdateRule, rule_of
 from dmuon.step.early.eligibility import Eligibility, follows_backward, wanted
 from dmuon.strategies.base import Block, MatrixWork, Strategy, return_dtype, unit_of, wire_dtype
@@ -230,7 +231,8 @@ class StepPlanner:
         count, m, n = matrix_shape(layout.shape, view)
         _, rows_of_p, cols_of_p = matrix_shape(p.shape, view)
         config = ns_config(group, (m, n), p.device.type, self.symmetric_for((m, n)))
-        rows = block_rows(group["ns_blocks"], rows_of_p)
+        pattern = row_blocks(group["ns_blocks"], rows_of_p)
+        rows = pattern.sizes
         if len(rows) > 1 and layout.transposed:
             raise NotImplementedError(f"ns_blocks for parameter {name!r}: row blocks of a Shard(1) (row-wise "
                                       "tensor parallel) matrix are not supported.")
@@ -258,5 +260,6 @@ class StepPlanner:
         # block's scale or an update rule would follow the cast, and bf16 → fp16 or back is no narrowing)
         narrow_return = (self.narrow_returns and not blocks and rule.fn is None
                          and config.dtype.itemsize < piece.dtype.itemsize)
+        order = None if pattern.order is None else torch.tensor(pattern.order, device=p.device)
         return MatrixWork(name, p, group, lr_scale, local_shape, piece.dtype, layout, GroupRef(process_group), count,
-                          m, n, config, blocks, column_blocks, narrow_return=narrow_return, rule=rule)
+                          m, n, config, blocks, order, column_blocks, narrow_return=narrow_return, rule=rule)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dmuon.row_blocks import from_blocks, to_blocks
 from dmuon.rules import apply_rule
 from dmuon.step.elementwise import CompiledKernels, apply_updates_all, nesterov_inputs_all, scalar
 from dmuon.step.plan import StepPlan
@@ -128,7 +129,10 @@ class StepValues:
             whole = (update.mT if work.exchange_transposed else update).contiguous()
             state = local(self.state[work.param][work.rule.state]).reshape(work.count, work.param_rows)
             rows = [block.rows for block in work.blocks] or [whole.shape[-2]]
-            result, self.new_row_states[i] = apply_rule(work.rule, whole, state, rows, work.param_group)
+            # the update's rows come block by block (dmuon.row_blocks): the row state's too, and back
+            result, new_state = apply_rule(work.rule, whole, to_blocks(state, work.row_order, dim=1), rows,
+                                           work.param_group)
+            self.new_row_states[i] = from_blocks(new_state, work.row_order, dim=1)
             out.append(result.mT if work.exchange_transposed else result)
         return out
 

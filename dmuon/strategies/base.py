@@ -24,6 +24,7 @@ from dmuon.exchange import CommCounter, GroupRef, all_reduce_sum
 from dmuon.layout import Layout
 from dmuon.orthogonalization import NSConfig, newton_schulz_flops
 from dmuon.planner import Unit
+from dmuon.row_blocks import describe_blocks, from_blocks, to_blocks
 from dmuon.rules import RULES, UpdateRule
 
 
@@ -61,6 +62,8 @@ class MatrixWork:
     n: int
     config: NSConfig
     blocks: tuple[Block, ...] = ()
+    # the matrix's rows block by block (dmuon.row_blocks), on the parameter's device; None: as held
+    row_order: Tensor | None = None
     # distributed NS: the local input is this rank's column block (count, m, n_local) of a matrix
     # whose Gram side is m, and the update this rank's columns of the result
     column_blocks: bool = False
@@ -113,8 +116,9 @@ def unit_of(work: MatrixWork, itemsize: int, return_itemsize: int | None = None)
     owner, and back if that differs), FLOPs."""
     per_matrix = sum(newton_schulz_flops(rows, work.n, steps=c.steps, method=c.method, restarts=c.restarts)
                      for rows, c in work.row_blocks)
+    blocks = describe_blocks([b.rows for b in work.blocks], work.row_order is not None) if work.blocks else ""
     return Unit(work.name, work.layout, work.count, work.m, work.n, itemsize, work.count * per_matrix,
-                return_itemsize)
+                return_itemsize, blocks)
 
 
 class StepIO(Protocol):
@@ -256,7 +260,9 @@ class Context:
         self.stats.ns_flops += flops
         for u, value in inputs.items():
             if not isinstance(value, Tensor) and len(works[u].row_blocks) > 1:  # row blocks slice the whole
-                inputs[u] = torch.cat([v.reshape(-1) for v in value]).reshape(works[u].count, works[u].m, works[u].n)
+                value = torch.cat([v.reshape(-1) for v in value]).reshape(works[u].count, works[u].m, works[u].n)
+            if len(works[u].row_blocks) > 1:
+                inputs[u] = to_blocks(value, works[u].row_order, dim=1)
         results: dict[tuple[int, int], Tensor] = {}  # (work, block) -> its update
         for config, rows, members in batches:
             # one contiguous copy, as every call before it: the same memory layout, the same result
@@ -275,7 +281,7 @@ class Context:
             for block in works[u].blocks:
                 output[:, start: start + block.rows].mul_(block.scale)
                 start += block.rows
-        return outputs
+        return {u: from_blocks(output, works[u].row_order, dim=1) for u, output in outputs.items()}
 
     @staticmethod
     def _stack(inputs: dict[int, Tensor | list[Tensor]], works: Sequence[MatrixWork], rows: int,
