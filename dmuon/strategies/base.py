@@ -158,9 +158,10 @@ class Strategy(Protocol):
 
     def run(self, io: StepIO, ctx: Context) -> None:
         """Ask ``io`` for the inputs, orthogonalize, and hand ``io`` this rank's updates. A
-        strategy that can run bucket by bucket also has ``stages(io, ctx)``, an iterator that
-        yields each bucket's index before it first reads that bucket's inputs (the planned
-        exchange's; :meth:`dmuon.step.engine.Engine.stages` prefers it)."""
+        strategy that can run bucket by bucket also has ``buckets``, ``stages(io, ctx)``, an
+        iterator that yields each bucket's index before it first reads that bucket's inputs
+        (:meth:`dmuon.step.engine.Engine.stages` prefers it), and ``bucket_indices(k)``, bucket
+        k's works by index into the step plan's (the row and piece exchanges)."""
 
 
 @dataclass

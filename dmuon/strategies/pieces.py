@@ -13,19 +13,20 @@ parameter, so the pieces follow DTensor's own rules). The ranks exchange their l
 the first step; where a replicated mesh dimension gives ranks the same piece, the first of them
 sends it. Owners and buckets come from the planner (:func:`dmuon.planner.make_plan`, as for the row
 exchange): owners by LPT, buckets of about ``bucket_bytes`` of input per owner that bound the
-memory and run one after the other.
+memory, run in stages as the row exchange's: bucket k+1's pieces go out while bucket k is
+orthogonalized, and bucket k's update comes back while bucket k+1 is.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.exchange import all_gather_object, start_all_to_all
+from dmuon.exchange import PendingExchange, all_gather_object, start_all_to_all
 from dmuon.layout import piece_index_lists
 from dmuon.planner import Plan
 from dmuon.strategies.base import Context, MatrixWork, StepIO, batches_of, share_row_states
@@ -78,42 +79,80 @@ class PieceExchange:
             # on the device of the values they index: no copy at every step
             self.lists.append([tuple(index.to(self.device) for index in everyone[p][u]) for p in range(self.size)])
 
+    def bucket_indices(self, k: int) -> tuple[int, ...]:
+        """Bucket k's works, by index into the step plan's (what early start waits for)."""
+        return tuple(self.indices[u] for u in self.buckets[k])
+
     def run(self, io: StepIO, ctx: Context) -> None:
+        for _ in self.stages(io, ctx):
+            pass
+
+    def stages(self, io: StepIO, ctx: Context) -> Iterator[int]:
+        """The run, in stages, as the row exchange's (:meth:`RowExchange.stages`): it yields ``k``
+        before it first reads an input of bucket ``k``; bucket k+1's pieces go out before bucket
+        k's Newton–Schulz, and bucket k's update comes back while bucket k+1's runs."""
         if self.lists is None:
             self._find_pieces(ctx)
-        for bucket in self.buckets:
-            self._run_bucket(bucket, io, ctx)
+        count = len(self.buckets)
+        gathers: dict[int, PendingExchange] = {}
+        returns: list[tuple[int, PendingExchange]] = []
+        if count:
+            yield 0
+            gathers[0] = self._start_gather(0, io, ctx)
+        for k in range(count):
+            if k + 1 < count:
+                yield k + 1
+                gathers[k + 1] = self._start_gather(k + 1, io, ctx)
+            returns.append((k, self._start_return(k, self._orthogonalize_owned(k, gathers.pop(k), io, ctx), ctx)))
+            if k + 1 == count:
+                io.overlap()  # nothing left to compute here: the last returns would only be waited for
+            if len(returns) > 1:
+                self._finish_return(*returns.pop(0), io)
+        for k, pending in returns:
+            self._finish_return(k, pending, io)
         share_row_states(self.indices, self.works, io, ctx)
 
-    def _run_bucket(self, bucket: list[int], io: StepIO, ctx: Context) -> None:
-        lists, me = self.lists, self.me
-        inputs = dict(zip(bucket, io.inputs([self.indices[u] for u in bucket])))
-        wire = ctx.wire_dtype(self.works[bucket[0]])
-        owned = [u for u in bucket if self.owners[u] == me]
-        # out: this rank's pieces to their owners (where it sends them), the owned ones' to itself
-        sends = [[] for _ in range(self.size)]
-        for u in bucket:
+    def _start_gather(self, k: int, io: StepIO, ctx: Context) -> PendingExchange:
+        """Send this rank's pieces of bucket k's works to their owners (its own owned ones' to itself)."""
+        bucket, lists, me = self.buckets[k], self.lists, self.me
+        inputs = io.inputs([self.indices[u] for u in bucket])
+        sends: list[list[Tensor]] = [[] for _ in range(self.size)]
+        for u, x in zip(bucket, inputs):
             if me in self.senders[u]:
-                sends[self.owners[u]].append(inputs[u])
-        shapes = [[(_numel(lists[u][p]),) for u in owned if p in self.senders[u]] for p in range(self.size)]
-        received = [iter(pieces) for pieces in start_all_to_all(
-            sends, shapes, self.process_group, me, wire, ctx.counter, self.device).wait()]
+                sends[self.owners[u]].append(x)
+        shapes = [[(_numel(lists[u][p]),) for u in bucket if self.owners[u] == me and p in self.senders[u]]
+                  for p in range(self.size)]
+        return start_all_to_all(sends, shapes, self.process_group, me, ctx.wire_dtype(self.works[bucket[0]]),
+                                ctx.counter, self.device)
+
+    def _orthogonalize_owned(self, k: int, pending: PendingExchange, io: StepIO, ctx: Context) -> dict[int, Tensor]:
+        """Put the pieces of bucket k's works this rank owns in place, and orthogonalize them."""
+        received = [iter(pieces) for pieces in pending.wait()]
+        owned = [u for u in self.buckets[k] if self.owners[u] == self.me]
         wholes = {}
         for u in owned:
             work = self.works[u]
-            whole = torch.empty(work.layout.shape, dtype=wire, device=self.device)
+            whole = torch.empty(work.layout.shape, dtype=ctx.wire_dtype(work), device=self.device)
             for p in self.senders[u]:
-                put(whole, lists[u][p], next(received[p]))
+                put(whole, self.lists[u][p], next(received[p]))
             wholes[u] = whole.reshape(work.count, work.m, work.n)
-        updates = ctx.orthogonalize_whole(wholes, self.works, batches_of(owned, self.works),
-                                          sum(self.plan.units[u].flops for u in owned), io, self.indices)
-        # back: every rank's piece of each owned update (its own too), in the update's return dtype
-        back = ctx.return_dtype(self.works[bucket[0]])
+        return ctx.orthogonalize_whole(wholes, self.works, batches_of(owned, self.works),
+                                       sum(self.plan.units[u].flops for u in owned), io, self.indices)
+
+    def _start_return(self, k: int, updates: dict[int, Tensor], ctx: Context) -> PendingExchange:
+        """Send every rank its piece of each owned update of bucket k (its own too), in the
+        update's return dtype."""
+        bucket, lists, me = self.buckets[k], self.lists, self.me
+        owned = [u for u in bucket if self.owners[u] == me]
         returns = [[take(updates[u].reshape(self.works[u].layout.shape), lists[u][p]) for u in owned]
                    for p in range(self.size)]
         shapes = [[(_numel(lists[u][me]),) for u in bucket if self.owners[u] == p] for p in range(self.size)]
-        received = [iter(pieces) for pieces in start_all_to_all(
-            returns, shapes, self.process_group, me, back, ctx.counter, self.device).wait()]
+        return start_all_to_all(returns, shapes, self.process_group, me, ctx.return_dtype(self.works[bucket[0]]),
+                                ctx.counter, self.device)
+
+    def _finish_return(self, k: int, pending: PendingExchange, io: StepIO) -> None:
+        received = [iter(pieces) for pieces in pending.wait()]
+        bucket = self.buckets[k]
         io.apply([self.indices[u] for u in bucket],
                  [next(received[self.owners[u]]).view(self.works[u].local_shape) for u in bucket])
 

@@ -132,6 +132,10 @@ class RowExchange:
         position = {u: j for j, u in enumerate(units)}
         return tuple(tuple(position[u] for u, _, _, _ in members) for _, _, members in batches) if plain else None
 
+    def bucket_indices(self, k: int) -> tuple[int, ...]:
+        """Bucket k's works, by index into the step plan's (what early start waits for)."""
+        return self.buckets[k].indices
+
     def run(self, io: StepIO, ctx: Context) -> None:
         for _ in self.stages(io, ctx):
             pass

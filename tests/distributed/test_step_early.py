@@ -33,6 +33,7 @@ from tests.helpers import (
     ("fsdp", 1, torch.float32), ("fsdp", 2, torch.float32), ("fsdp", 3, torch.float32),
     ("fsdp", 3, torch.bfloat16), ("hsdp", 4, torch.float32),
     ("owner", 1, torch.float32), ("owner", 2, torch.float32), ("owner", 3, torch.bfloat16),
+    ("fsdp+tp", 4, torch.float32), ("fsdp+tp", 4, torch.bfloat16),
 ])
 def test_early_start_gives_the_same_bits_as_the_step_at_step(parallel, world, dtype):
     """On: every bucket begins in the backward pass (small buckets, so that there are several).

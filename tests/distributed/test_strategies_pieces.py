@@ -29,7 +29,8 @@ def test_checkpoint_loads_across_two_d_layouts_and_world_sizes(tmp_path, saved_a
                 assert torch.equal(saved[part][name], loaded[part][name]), (rank, part, name)
 
 
-def two_d_step(case: str, dtype: torch.dtype, steps: int = 2) -> dict:
+def two_d_step(case: str, dtype: torch.dtype, steps: int = 2, bucket_bytes: int | None = None, repeat: int = 1
+               ) -> dict:
     """``steps`` Muon steps of DTensors placed as ``TWO_D[case]`` on a (2, 2) mesh, beside the
     same steps in one process on the full tensors (the same gradients); the whole parameters,
     whether they are bitwise the reference's, and the bytes of the last step."""
@@ -37,13 +38,15 @@ def two_d_step(case: str, dtype: torch.dtype, steps: int = 2) -> dict:
     from tests.helpers import full_tensors
 
     placements, shapes = TWO_D[case]
+    shapes = shapes * repeat
     mesh = init_device_mesh("cpu", (2, 2))
     init = [t.to(dtype) for t in full_tensors(shapes, seed=0)]
     params = [nn.Parameter(distribute_tensor(t.clone(), mesh, placements, src_data_rank=None)) for t in init]
     refs = [nn.Parameter(t.clone()) for t in init]
     names = [f"p{i}" for i in range(len(params))]
     hparams = {**HPARAMS, "ns_dtype": torch.float32 if dtype == torch.float32 else torch.bfloat16}
-    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}], **hparams)
+    options = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    opt = dmuon.Muon([{"params": params, "algorithm": "muon", "param_names": names}], **hparams, **options)
     ref = ReferenceMuon(refs, **hparams)
     for step in range(steps):
         for p, r, g in zip(params, refs, full_tensors(shapes, seed=100 + step)):
@@ -53,7 +56,8 @@ def two_d_step(case: str, dtype: torch.dtype, steps: int = 2) -> dict:
         ref.step()
     return dict(equal=[torch.equal(p.full_tensor(), r.detach()) for p, r in zip(params, refs)],
                 bytes=opt.last_step_stats.bytes_sent, matrices=opt.last_step_stats.matrices_orthogonalized,
-                muon_bytes=sum(t.numel() * t.element_size() for t in init))
+                muon_bytes=sum(t.numel() * t.element_size() for t in init),
+                buckets=sum(len(plan.buckets) for plan in opt.plans))
 
 
 @pytest.mark.parametrize("case", sorted(TWO_D))
@@ -76,3 +80,12 @@ def test_two_d_layouts_step_as_one_process_and_exchange_as_fsdp2(case, dtype):
         assert exchanged == 2 * 3 / 4 * weights, (exchanged, weights)
     else:  # uneven pieces: each matrix out and back once, less its owner's own piece
         assert exchanged <= 2 * weights
+
+
+@pytest.mark.parametrize("case", ["fsdp x colwise tp", "expert stacks, efsdp dim 1"])
+def test_two_d_buckets_overlap_and_give_the_same_bits(case):
+    """Several buckets (tiny ones, over three copies of the shapes): bucket k+1's pieces go out
+    before bucket k's Newton–Schulz and bucket k's update comes back during bucket k+1's (the row
+    exchange's stages), bitwise as one process."""
+    for r in run_on_ranks(4, two_d_step, case, torch.float32, 2, 64, 3):
+        assert all(r["equal"]) and len(r["equal"]) == 3 * len(TWO_D[case][1]) and r["buckets"] >= 2, r

@@ -24,10 +24,15 @@ def test_wanted_where_it_pays_unless_the_setting_says():
     assert wanted(True, "cpu") and not wanted(False, "cuda")
 
 
-@pytest.mark.parametrize("case", [dict(gang=(0, 1)), dict(column_blocks=True), dict(pieces=True)])
+@pytest.mark.parametrize("case", [dict(gang=(0, 1)), dict(column_blocks=True)])
 def test_strategies_that_do_not_run_in_stages_are_refused(case):
     assert unsupported_because([work(), work()], compiled=False) is None
     assert "which do not run in stages" in unsupported_because([work(), work("split", **case)], compiled=False)
+
+
+def test_piece_exchanges_run_in_stages():
+    """FSDP + TP, 2-D blocks, expert stacks on dim 1/2: the piece exchange runs in stages."""
+    assert unsupported_because([work(), work("fsdp_tp", pieces=True)], compiled=False) is None
 
 
 def test_a_compiled_step_runs_as_a_whole():

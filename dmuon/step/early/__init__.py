@@ -57,10 +57,10 @@ the backward pass. Each owner's plan holds only its own matrices and exchanges n
 rank's run goes at its own pace. Across replicas (HSDP) the sums meet only at the end of the
 backward pass, and the step runs as without early start.
 
-Where the step plan has strategies that do not run in stages (gangs, the piece exchange of
-FSDP + tensor parallel and 2-D blocks, distributed Newton–Schulz), or with ``compile`` or
-``cuda_graphs``, or with row-wise tensor parallel, the step runs as without early start
-(:mod:`.eligibility`); :attr:`EarlyStart.status` says why. On CUDA the early work runs on a
+Where the step plan has strategies that do not run in stages (gangs, distributed Newton–Schulz),
+or with ``compile`` or ``cuda_graphs``, or with 1-D row-wise tensor parallel (``Shard(1)``
+alone), the step runs as without early start (:mod:`.eligibility`); :attr:`EarlyStart.status`
+says why. The row and piece exchanges run in stages (FSDP + tensor parallel and 2-D blocks too). On CUDA the early work runs on a
 stream of its own, so that it can overlap the backward pass.
 
 The modules: :mod:`.eligibility` (whether it can run a plan: pure, an input of the plan's key),

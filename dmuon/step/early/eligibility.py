@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from dmuon.layout import owned_by
 from dmuon.strategies.base import MatrixWork
@@ -49,9 +49,8 @@ def unsupported_because(works: Sequence[MatrixWork], compiled: bool, ddp_params:
     as that hook may still be registered (at construction)."""
     if compiled:
         return "compile or cuda_graphs: the compiled step runs as a whole"
-    if any(w.gang or w.column_blocks or w.layout.pieces for w in works):
-        return ("the plan has gangs, piece exchanges (FSDP + tensor parallel, 2-D blocks) or distributed "
-                "Newton-Schulz, which do not run in stages")
+    if any(w.gang or w.column_blocks for w in works):
+        return "the plan has gangs or distributed Newton-Schulz, which do not run in stages"
     for work in works:
         why = _unsupported_param(work, ddp_params, ddp_may_follow)
         if why is not None:
@@ -77,7 +76,6 @@ def _unsupported_param(work: MatrixWork, ddp_params: Collection[int] | None, ddp
             return None
         return (f"{work.name!r} is replicated (DDP): its gradient is final only after DDP's all-reduce; "
                 "optimizer.register_ddp_comm_hook(ddp_model) tells early start when that is done")
-    if work.layout.transposed or any(not isinstance(pl, (Shard, Replicate)) or (isinstance(pl, Shard) and pl.dim)
-                                     for pl in p.placements):
-        return f"{work.name!r} is sharded on its columns (row-wise tensor parallel)"
+    if work.layout.transposed:
+        return f"{work.name!r} is sharded on its columns alone (row-wise tensor parallel)"
     return None

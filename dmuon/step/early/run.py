@@ -142,7 +142,7 @@ class Run:
 
     def _waiting(self) -> dict[Bucket, set[int]]:
         """The parameters each bucket waits for."""
-        return {(s, k): {id(self.plan.works[i].param) for i in self.plan.strategies[s].buckets[k].indices}
+        return {(s, k): {id(self.plan.works[i].param) for i in self.plan.strategies[s].bucket_indices(k)}
                 for s, k in self.order}
 
     def ready(self, p: Tensor, held: bool = False) -> None:
