@@ -60,8 +60,9 @@ backward pass, and the step runs as without early start.
 Where the step plan has strategies that do not run in stages (gangs, distributed Newton–Schulz),
 or with ``compile`` or ``cuda_graphs``, or with 1-D row-wise tensor parallel (``Shard(1)``
 alone), the step runs as without early start (:mod:`.eligibility`); :attr:`EarlyStart.status`
-says why. The row and piece exchanges run in stages (FSDP + tensor parallel and 2-D blocks too). On CUDA the early work runs on a
-stream of its own, so that it can overlap the backward pass.
+says why. The row and piece exchanges run in stages (FSDP + tensor parallel and 2-D blocks
+too). On CUDA the early work runs on a stream of its own, so that it can overlap the backward
+pass.
 
 The modules: :mod:`.eligibility` (whether it can run a plan: pure, an input of the plan's key),
 :mod:`.run` (one backward pass's run and its verdict), :mod:`.ddp` (DDP's comm hook),
