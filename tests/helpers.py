@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
 from dmuon.layout import owned_by
-from dmuon.tools.models import Llama, SyntheticTokens, get_config
+from dmuon.tools.models import Llama, SyntheticTokens, get_config, tensor_parallel_blocks
 
 # ---------------------------------------------------------------- tensors in a layout and back
 
@@ -174,21 +174,6 @@ def train_llama(parallel: str | None, replica_split=None, dtype: torch.dtype = t
     state_dtypes = {v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"}
     return dict(losses=losses, params=whole_params(model), state_dtypes=state_dtypes, early_start=opt.early_start,
                 early_buckets=opt.last_step_stats.early_buckets, heads_clipped=clipped)
-
-
-def tensor_parallel_blocks(model: Llama, tp_mesh) -> None:
-    """The tiny Llama's blocks over ``tp_mesh`` as torchtitan lays them out: q, k, v, gate and up
-    column-wise, o and down row-wise; each attention module then counts its own rank's heads."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    degree = tp_mesh.size()
-    for block in model.layers:
-        parallelize_module(block, tp_mesh, {
-            **{f"attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
-            **{f"mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")},
-            "attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
-        block.attn.n_heads //= degree
-        block.attn.n_kv_heads //= degree
 
 
 def whole_params(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -20,12 +20,18 @@ Every configuration trains the same model from the same weights on the same batc
                      Polar Express at 5 in the same run (ddp-dmuon-aol likewise)
     fsdp-dmuon-bf16mom  fsdp-dmuon with momentum_dtype=torch.bfloat16 (``-int8mom``: 8-bit
                      blocks; ddp-dmuon-bf16mom and ddp-dmuon-int8mom likewise)
+    fsdptp-adamw     FSDP2 × tensor parallel on a (world/2, 2) mesh (torchtitan's layout: q, k, v,
+                     gate, up column-wise, o, down row-wise; the data split over the data-parallel
+                     ranks) + torch.optim.AdamW (``fsdptp-torch-muon``, ``fsdptp-dmuon`` and its
+                     ``-early``/``-atstep`` likewise)
 
 The default run is the first six (the verdict's: dmuon against AdamW and vanilla Muon under
 each data-parallel mode); ``--device cuda`` adds ``ddp-dmuon-atstep`` and ``fsdp-dmuon-atstep``
 (early start off, which is on by default there), ``ownerz2-dmuon`` and ``ownerz2-dmuon-atstep``.
 On CPU the rest are on request (``--configs``): with more configurations the default run cannot
-settle its ratios in four minutes on two cores.
+settle its ratios in four minutes on two cores. ``--layout fsdp-tp`` runs AdamW, vanilla Muon
+and dmuon under FSDP2 and under FSDP2 × TP side by side, so that a tensor-parallel user sees
+what the layout costs dmuon's step against AdamW's beside FSDP2 alone.
 
 With ``--peers``, every other distributed Muon implementation that is installed (``pip install
 'dmuon[peers]'``, and Dion from its repository; see :mod:`dmuon.tools.peers`) joins as
@@ -135,6 +141,7 @@ from dmuon.tools.models import (
     VLAConfig,
     get_config,
     param_count,
+    tensor_parallel_blocks,
     trainable_params,
     training_bytes,
 )
@@ -143,6 +150,10 @@ from dmuon.tools.workloads import build_model, local_batch, make_data, training_
 DEFAULT_SEQ_LEN = 128  # tokens per sequence of a Llama preset
 # The default run (module docstring); the CUDA default adds early start off and owner sharding
 CONFIGS = ("ddp-adamw", "ddp-torch-muon", "fsdp-adamw", "fsdp-torch-muon", "ddp-dmuon", "fsdp-dmuon")
+# --layout fsdp-tp: FSDP2 alone and FSDP2 x tensor parallel, each with its AdamW and vanilla Muon
+FSDP_TP_CONFIGS = ("fsdp-adamw", "fsdp-torch-muon", "fsdp-dmuon", "fsdptp-adamw", "fsdptp-torch-muon",
+                   "fsdptp-dmuon")
+TP_DEGREE = 2  # the tensor-parallel ranks of a data-parallel rank in the fsdptp configurations
 CUDA_CONFIGS = (*CONFIGS, "ddp-dmuon-atstep", "fsdp-dmuon-atstep", "ownerz2-dmuon", "ownerz2-dmuon-atstep")
 # Not run by default: dmuon with bf16 on the wire (comm_dtype=torch.bfloat16), to set beside the
 # exact default in the same run
@@ -153,13 +164,13 @@ BF16_WIRE_CONFIGS = ("ddp-dmuon-bf16wire", "fsdp-dmuon-bf16wire")
 MORE_CONFIGS = ("ddp-dmuon-early", "fsdp-dmuon-early", "ownerz2-dmuon-early", "ddp-dmuon-atstep",
                 "fsdp-dmuon-atstep", "ownerz2-dmuon-atstep", "ownerz2-dmuon", "ownerz3-dmuon", "ddp-dmuon-aol",
                 "fsdp-dmuon-aol", "ddp-dmuon-bf16mom", "fsdp-dmuon-bf16mom", "ddp-dmuon-int8mom",
-                "fsdp-dmuon-int8mom")
+                "fsdp-dmuon-int8mom", "fsdptp-dmuon-early", "fsdptp-dmuon-atstep")
 # a configuration's name suffix: its dmuon.Muon options beside the run's
 VARIANTS = {"bf16wire": {"comm_dtype": torch.bfloat16}, "early": {"early_start": True},
             "atstep": {"early_start": False}, "aol": {"ns_coefficients": "aol"},
             "bf16mom": {"momentum_dtype": torch.bfloat16}, "int8mom": {"momentum_dtype": torch.int8}}
 # What each data-parallel mode is compared with (AdamW and vanilla Muon of that mode).
-BASELINE_MODE = {"ddp": "ddp", "fsdp": "fsdp", "ownerz2": "fsdp", "ownerz3": "fsdp"}
+BASELINE_MODE = {"ddp": "ddp", "fsdp": "fsdp", "ownerz2": "fsdp", "ownerz3": "fsdp", "fsdptp": "fsdptp"}
 
 
 # A run is flagged as not trustworthy when other jobs used more than this fraction of the
@@ -398,6 +409,9 @@ class _Trainer:
         config = preset_config(args)
         self.model = build_model(config, seed=args.seed).to(device)
         self.wrapped, self.sharding = wrap_model(self.model, parallel, world, device, mesh)
+        # tensor-parallel ranks see the same batch: the data is split over the data-parallel ranks
+        self.data_rank, self.data_world = (rank // TP_DEGREE, world // TP_DEGREE) if parallel == "fsdptp" \
+            else (rank, world)
         owned = sum(p.numel() * p.element_size() for p in self.sharding.params) if self.sharding else 0
         layers = sum(p.numel() * p.element_size() for p in self.model.layers.parameters())
         root = sum(p.numel() * p.element_size() for p in self.model.parameters()) - layers
@@ -414,8 +428,8 @@ class _Trainer:
 
     def forward_backward(self, step: int) -> torch.Tensor:
         args = self.args
-        batch = local_batch(self.data, step, args.batch_size * self.world, args.seq_len, self.rank, self.world,
-                            self.device)
+        batch = local_batch(self.data, step, args.batch_size * self.world, args.seq_len, self.data_rank,
+                            self.data_world, self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-autocast"):
             loss = training_loss(self.wrapped, batch)
         for opt in self.optimizers:
@@ -825,7 +839,10 @@ def training_traffic(parallel: str, world: int, root_bytes: int, layer_bytes: in
     ownerz3: FSDP2's traffic for the parameters not owner-sharded, and the owner-sharded matrices
     broadcast from their owners once (Z2) or twice (Z3) and their gradients reduced onto them.
     ``frozen_bytes``: of the root's, those without gradients (a VLA's frozen tower): gathered,
-    never reduced."""
+    never reduced. fsdptp: FSDP2's over the data-parallel ranks, of each rank's tensor-parallel
+    part of the layers (the tensor-parallel activations' all-reduces not counted)."""
+    if parallel == "fsdptp":  # FSDP2 over world/TP_DEGREE ranks; each holds its tensor-parallel part of the layers
+        return training_traffic("fsdp", world // TP_DEGREE, root_bytes, layer_bytes // TP_DEGREE, 0, frozen_bytes)
     share = (world - 1) / world
     if parallel == "ddp":
         return 2 * share * (root_bytes + layer_bytes - frozen_bytes)
@@ -840,6 +857,12 @@ def wrap_model(model: nn.Module, parallel: str, world: int, device: torch.device
     """The model under ``parallel``, and its owner sharding if it has one."""
     if parallel == "ddp":
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None), None
+    if parallel == "fsdptp":  # FSDP2 over the data-parallel ranks of TP_DEGREE-way tensor-parallel blocks
+        mesh = init_device_mesh(device.type, (world // TP_DEGREE, TP_DEGREE), mesh_dim_names=("dp", "tp"))
+        tensor_parallel_blocks(model, mesh["tp"])
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        return fully_shard(model, mesh=mesh["dp"]), None
     if mesh is None:
         mesh = init_device_mesh(device.type, (world,))
     sharding, ignored = None, None
@@ -938,11 +961,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decoupled weight decay (default: %(default)s)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
-    parser.add_argument("--configs", type=name_list(CONFIGS + BF16_WIRE_CONFIGS + MORE_CONFIGS), default=None,
+    parser.add_argument("--layout", choices=("dp", "fsdp-tp"), default="dp",
+                        help="the default configurations: dp (DDP and FSDP2) or fsdp-tp (FSDP2 and FSDP2 x tensor "
+                             "parallel on a (world/2, 2) mesh, each with AdamW and vanilla Muon; default: %(default)s)")
+    parser.add_argument("--configs", type=name_list(CONFIGS + BF16_WIRE_CONFIGS + MORE_CONFIGS + FSDP_TP_CONFIGS),
+                        default=None,
                         help=f"comma-separated subset of {','.join(CONFIGS)}, or of those and "
                              f"{','.join(BF16_WIRE_CONFIGS)} (dmuon with bf16 on the wire beside its exact default), "
-                             f"{','.join(MORE_CONFIGS)} (default: {','.join(CONFIGS)}; with --device cuda also "
-                             f"{','.join(CUDA_CONFIGS[len(CONFIGS):])})")
+                             f"{','.join(MORE_CONFIGS)}, {','.join(FSDP_TP_CONFIGS[3:])} "
+                             f"(default: {','.join(CONFIGS)}; "
+                             f"with --device cuda also {','.join(CUDA_CONFIGS[len(CONFIGS):])}; with --layout fsdp-tp "
+                             f"{','.join(FSDP_TP_CONFIGS)})")
     parser.add_argument("--ns-coefficients", choices=NAMED_COEFFICIENTS, default="polar_express",
                         help="dmuon.Muon's Newton–Schulz coefficients; keller is what torch.optim.Muon and four of "
                              "the six peers run, you what heavyball and dion run (same cost: 5 quintic steps in "
@@ -965,7 +994,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     """What spans several arguments or needs a look at the machine, checked before any rank starts."""
     if args.configs is None:
-        args.configs = list(CUDA_CONFIGS if args.device == "cuda" else CONFIGS)
+        args.configs = list(FSDP_TP_CONFIGS if args.layout == "fsdp-tp" else
+                            CUDA_CONFIGS if args.device == "cuda" else CONFIGS)
+    if any(name.startswith("fsdptp-") for name in args.configs) and args.world_size % TP_DEGREE:
+        raise UsageError("--world-size", f"invalid value {args.world_size}: FSDP2 x tensor parallel runs on a "
+                                         f"(world/{TP_DEGREE}, {TP_DEGREE}) mesh; give a multiple of {TP_DEGREE}")
     if args.precision is None:
         args.precision = "bf16-autocast" if args.device == "cuda" else "fp32"
     if args.preset == "auto":

@@ -539,6 +539,25 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def tensor_parallel_blocks(model: Llama, tp_mesh) -> None:
+    """A Llama's blocks over ``tp_mesh`` as torchtitan lays them out: q, k, v, gate and up
+    column-wise, o and down row-wise; each attention module then counts its own rank's heads
+    (``n_heads`` and ``n_kv_heads`` must divide by the mesh's size)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    degree = tp_mesh.size()
+    if model.config.n_kv_heads % degree:
+        raise ValueError(f"Tensor parallel over {degree} ranks needs n_kv_heads ({model.config.n_kv_heads}) to divide "
+                         f"by {degree}.")
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            **{f"attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
+            **{f"mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")},
+            "attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+        block.attn.n_heads //= degree
+        block.attn.n_kv_heads //= degree
+
+
 def _mix_seed(seed: int, stream: int) -> int:
     """A 63-bit generator seed for ``(seed, stream)``, distinct for distinct pairs in practice.
 

@@ -156,6 +156,8 @@ def test_training_traffic_by_the_ring_costs():
     assert training_traffic("ownerz2", 4, 100, 300, 200) == 0.75 * ((100 + 200) + 200) + 0.75 * 400
     assert training_traffic("ownerz3", 4, 100, 300, 200) == 0.75 * ((100 + 200) + 200) + 0.75 * 600
     assert training_traffic("ddp", 1, 100, 300, 0) == 0
+    # FSDP2 over 2 data-parallel ranks of each rank's tensor-parallel half of the layers
+    assert training_traffic("fsdptp", 4, 100, 300, 0) == training_traffic("fsdp", 2, 100, 150, 0)
 
 
 def test_the_default_configurations_depend_on_the_device(monkeypatch):
@@ -202,3 +204,22 @@ def test_small_momentum_configurations_count_their_state(tmp_path):
     # shorter than a block of 128, so it keeps more scales than a real model's
     assert 0.25 < int8["muon_state_bytes"] / fp32["muon_state_bytes"] < 0.3
     assert fp32["state_bytes"] - fp32["muon_state_bytes"] == int8["state_bytes"] - int8["muon_state_bytes"]
+
+
+def test_the_fsdp_tp_layout_runs_beside_fsdp2_at_fsdp2s_bytes(tmp_path):
+    """``--layout fsdp-tp`` at 4 ranks: AdamW, vanilla Muon and dmuon under FSDP2 and under FSDP2 ×
+    TP on a (2, 2) mesh, in one run; dmuon's optimizer sends the same bytes in both (FSDP2's
+    bound: the piece exchange moves each rank's pieces out and back, as the row exchange its rows)."""
+    from dmuon.tools.bench import FSDP_TP_CONFIGS
+
+    out = tmp_path / "bench.json"
+    # a step of warm-up: the piece exchange's first step also exchanges the ranks' index lists, once
+    assert main(["bench", "--layout", "fsdp-tp", "--world-size", "4", "--preset", "tiny", "--steps", "1",
+                 "--warmup", "1", "--memory-steps", "0", "--max-seconds", "0", "--json", str(out)]) == 0
+    records = {r["config"]: r for r in json.loads(out.read_text())}
+    assert list(records) == list(FSDP_TP_CONFIGS)
+    fsdp, fsdp_tp = records["fsdp-dmuon"]["opt_bytes_per_step"], records["fsdptp-dmuon"]["opt_bytes_per_step"]
+    assert fsdp_tp == pytest.approx(fsdp, rel=0.01)  # the agreement's header bytes aside
+    assert records["fsdptp-dmuon"]["step_vs_adamw"] > 0 and records["fsdptp-torch-muon"]["opt_step_ms"] > 0
+    with pytest.raises(SystemExit, match="2"):
+        main(["bench", "--layout", "fsdp-tp", "--world-size", "3", "--preset", "tiny"])
