@@ -49,6 +49,9 @@ MEASUREMENTS = {
     "bench-family": Measurement("The Muon family's optimizer step and state on the bench preset",
                                 [["dmuon", "bench", "--preset", "bench", "--configs", "fsdp-adamw,fsdp-dmuon,"
                                   "fsdp-dmuon-aol,fsdp-dmuon-bf16mom,fsdp-dmuon-int8mom", "--json", "{out}"]]),
+    "bench-fsdp-tp": Measurement("What FSDP2 × tensor parallel costs the step, beside FSDP2 alone",
+                                 [["dmuon", "bench", "--layout", "fsdp-tp", "--world-size", "4", "--memory-steps",
+                                   "0", "--max-seconds", "420", "--json", "{out}"]]),
     "peers": Measurement("The optimizer step beside other distributed Muons",
                          [["dmuon", "bench", "--peers", "--configs", "ddp-dmuon,fsdp-dmuon", "--json", "{out}"]]),
     "plan": Measurement("Predicted at scale: dmuon plan on H100s",
@@ -140,6 +143,14 @@ def bench_table(record: dict) -> str:
     warnings = sorted({w for r in records for w in r["warnings"]})
     settled = "every ratio within ±10 % (95 % interval)" if not warnings else "not settled: " + "; ".join(warnings)
     return "\n".join(lines) + f"\n\n{settled}.\n"
+
+
+def fsdp_tp_table(record: dict) -> str:
+    """The bench table, then dmuon's step over AdamW's under FSDP2 × TP over the same under FSDP2."""
+    by_config = {r["config"]: r for r in record["runs"][0]["result"]}
+    tp, fsdp = by_config["fsdptp-dmuon"]["step_vs_adamw"], by_config["fsdp-dmuon"]["step_vs_adamw"]
+    return (bench_table(record) + f"\ndmuon's step over AdamW's under FSDP2 × TP, over the same under FSDP2 alone: "
+            f"{ratio(tp / fsdp if tp and fsdp else None)}.\n")
 
 
 def family_bench_table(record: dict) -> str:
@@ -265,6 +276,11 @@ SECTIONS = {  # measurement → (what the table shows, how to read it)
                      "dmuon's Muon beside `ns_coefficients=\"aol\"` and `momentum_dtype` bfloat16 and int8 (8-bit "
                      "blocks), all stepping in turn in the same ranks. State: the optimizers' state tensors on the "
                      "rank holding the most, Muon's matrices' part in brackets."),
+    "bench-fsdp-tp": (fsdp_tp_table, "`dmuon bench --layout fsdp-tp`: the demo or bench preset (as the default run) "
+                      "at 4 gloo ranks, under FSDP2 and under FSDP2 × tensor parallel on a (2, 2) mesh (torchtitan's "
+                      "plan: q, k, v, gate, up column-wise, o, down row-wise; the piece exchange), each with its "
+                      "AdamW and vanilla Muon, all stepping in turn in the same ranks. Early start is off on CPU "
+                      "(its default there)."),
     "peers": (peers_table, "`dmuon bench --peers`: dmuon's optimizer step against every installed peer's in the same "
               "ranks (the bench preset; Dion needs a git install and is left out where it is missing)."),
     "plan": (plan_table, "`dmuon plan`'s predictions on the H100 profile (datasheet rates, MFU 0.4): the step's "
