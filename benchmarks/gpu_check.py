@@ -124,9 +124,30 @@ def crash(device: torch.device, sizes: Sizes) -> dict:
     return result
 
 
+def flex_max_scores(device: torch.device) -> dict:
+    """FlexAttention's max scores (per query; CUDA only in torch) reduced to each head's largest
+    logit, against ``dmuon.max_logits``'s: what QK-clip can record from the attention itself,
+    without a second q·kᵀ (``clip.record(name, aux.max_scores.amax(dim=(0, 2)), query=q)``)."""
+    if device.type != "cuda":
+        return {"flex_max_scores": "not run: torch's FlexAttention returns max scores on CUDA only"}
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+    import dmuon
+
+    try:
+        q, k, v = (torch.randn(2, 8, 256, 64, device=device) for _ in range(3))
+        causal = create_block_mask(lambda b, h, i, j: i >= j, None, None, 256, 256, device=device)
+        _, aux = flex_attention(q, k, v, block_mask=causal, return_aux=AuxRequest(max_scores=True))
+        from_flex = aux.max_scores.amax(dim=(0, 2)).float()
+        return {"flex_max_scores_rel_error": relative(from_flex.cpu(), dmuon.max_logits(q, k).cpu())}
+    except Exception as err:  # noqa: BLE001 - a check that cannot run says why, and the section goes on
+        return {"flex_max_scores": f"failed: {type(err).__name__}: {err}"[:500]}
+
+
 def reference(device: torch.device, sizes: Sizes) -> dict:
     """Three whole steps on the device against the same steps on the CPU in fp64 (Newton–Schulz
-    in fp64 there): fp32 Newton–Schulz without TF32, and the device's default recipe."""
+    in fp64 there): fp32 Newton–Schulz without TF32, and the device's default recipe; then
+    FlexAttention's max scores against dmuon's max logits (:func:`flex_max_scores`)."""
     cpu, _ = train_small(torch.device("cpu"), sizes, dtype=torch.float64, ns_dtype=torch.float64,
                          ns_method="standard")
     result = {}
@@ -135,7 +156,7 @@ def reference(device: torch.device, sizes: Sizes) -> dict:
         model, _ = train_small(device, sizes, **options)
         result[f"{label}_max_rel_error"] = max(relative(p.cpu(), q) for p, q in zip(model.parameters(),
                                                                                      cpu.parameters()))
-    return result
+    return {**result, **flex_max_scores(device)}
 
 
 def newton_schulz(device: torch.device, sizes: Sizes) -> dict:

@@ -52,6 +52,9 @@ MEASUREMENTS = {
     "bench-fsdp-tp": Measurement("What FSDP2 × tensor parallel costs the step, beside FSDP2 alone",
                                  [["dmuon", "bench", "--layout", "fsdp-tp", "--world-size", "4", "--memory-steps",
                                    "0", "--max-seconds", "420", "--json", "{out}"]]),
+    "bench-qk-clip": Measurement("What QK-clip costs the step",
+                                 [["dmuon", "bench", "--configs", "fsdp-adamw,fsdp-dmuon,fsdp-dmuon-qkclip",
+                                   "--memory-steps", "0", "--json", "{out}"]]),
     "peers": Measurement("The optimizer step beside other distributed Muons",
                          [["dmuon", "bench", "--peers", "--configs", "ddp-dmuon,fsdp-dmuon", "--json", "{out}"]]),
     "plan": Measurement("Predicted at scale: dmuon plan on H100s",
@@ -151,6 +154,15 @@ def fsdp_tp_table(record: dict) -> str:
     tp, fsdp = by_config["fsdptp-dmuon"]["step_vs_adamw"], by_config["fsdp-dmuon"]["step_vs_adamw"]
     return (bench_table(record) + f"\ndmuon's step over AdamW's under FSDP2 × TP, over the same under FSDP2 alone: "
             f"{ratio(tp / fsdp if tp and fsdp else None)}.\n")
+
+
+def qk_clip_table(record: dict) -> str:
+    """The bench table, then QK-clip's share: the clipped run's step over the plain run's, less one."""
+    by_config = {r["config"]: r for r in record["runs"][0]["result"]}
+    clipped, plain = by_config["fsdp-dmuon-qkclip"]["step_vs_adamw"], by_config["fsdp-dmuon"]["step_vs_adamw"]
+    share = f"{clipped / plain - 1:+.1%}" if clipped and plain else "–"
+    return (bench_table(record)
+            + f"\nQK-clip's share of dmuon's step (its step over AdamW's, against dmuon's): {share}.\n")
 
 
 def family_bench_table(record: dict) -> str:
@@ -281,6 +293,10 @@ SECTIONS = {  # measurement → (what the table shows, how to read it)
                       "plan: q, k, v, gate, up column-wise, o, down row-wise; the piece exchange), each with its "
                       "AdamW and vanilla Muon, all stepping in turn in the same ranks. Early start is off on CPU "
                       "(its default there)."),
+    "bench-qk-clip": (qk_clip_table, "`dmuon bench` with `fsdp-dmuon-qkclip`: dmuon with `dmuon.QKClip.for_model` "
+                      "(τ = 100; the max logits of every attention layer recorded in every forward — one more q·kᵀ "
+                      "product per layer, `dmuon.max_logits` — all-reduced at the step, heads over τ scaled) beside "
+                      "dmuon without it and AdamW, 2 gloo ranks, FSDP2, stepping in turn in the same ranks."),
     "peers": (peers_table, "`dmuon bench --peers`: dmuon's optimizer step against every installed peer's in the same "
               "ranks (the bench preset; Dion needs a git install and is left out where it is missing)."),
     "plan": (plan_table, "`dmuon plan`'s predictions on the H100 profile (datasheet rates, MFU 0.4): the step's "

@@ -20,6 +20,9 @@ Every configuration trains the same model from the same weights on the same batc
                      Polar Express at 5 in the same run (ddp-dmuon-aol likewise)
     fsdp-dmuon-bf16mom  fsdp-dmuon with momentum_dtype=torch.bfloat16 (``-int8mom``: 8-bit
                      blocks; ddp-dmuon-bf16mom and ddp-dmuon-int8mom likewise)
+    fsdp-dmuon-qkclip  fsdp-dmuon with dmuon.QKClip.for_model (τ = 100): its max logits recorded
+                     in every forward, the clip after every step; beside fsdp-dmuon, QK-clip's
+                     share of the step (ddp-dmuon-qkclip likewise)
     fsdptp-adamw     FSDP2 × tensor parallel on a (world/2, 2) mesh (torchtitan's layout: q, k, v,
                      gate, up column-wise, o, down row-wise; the data split over the data-parallel
                      ranks) + torch.optim.AdamW (``fsdptp-torch-muon``, ``fsdptp-dmuon`` and its
@@ -119,6 +122,7 @@ from dmuon.column_block_ns import orthogonalize_column_blocks
 from dmuon.ns_defaults import native_bf16
 from dmuon.orthogonalization import orthogonalize
 from dmuon.owner import OwnerSharding, shard_by_owner
+from dmuon.qk_clip import QKClip
 from dmuon.tools.cli import (
     UsageError,
     check_fits,
@@ -164,11 +168,14 @@ BF16_WIRE_CONFIGS = ("ddp-dmuon-bf16wire", "fsdp-dmuon-bf16wire")
 MORE_CONFIGS = ("ddp-dmuon-early", "fsdp-dmuon-early", "ownerz2-dmuon-early", "ddp-dmuon-atstep",
                 "fsdp-dmuon-atstep", "ownerz2-dmuon-atstep", "ownerz2-dmuon", "ownerz3-dmuon", "ddp-dmuon-aol",
                 "fsdp-dmuon-aol", "ddp-dmuon-bf16mom", "fsdp-dmuon-bf16mom", "ddp-dmuon-int8mom",
-                "fsdp-dmuon-int8mom", "fsdptp-dmuon-early", "fsdptp-dmuon-atstep")
+                "fsdp-dmuon-int8mom", "fsdptp-dmuon-early", "fsdptp-dmuon-atstep", "ddp-dmuon-qkclip",
+                "fsdp-dmuon-qkclip")
 # a configuration's name suffix: its dmuon.Muon options beside the run's
 VARIANTS = {"bf16wire": {"comm_dtype": torch.bfloat16}, "early": {"early_start": True},
             "atstep": {"early_start": False}, "aol": {"ns_coefficients": "aol"},
-            "bf16mom": {"momentum_dtype": torch.bfloat16}, "int8mom": {"momentum_dtype": torch.int8}}
+            "bf16mom": {"momentum_dtype": torch.bfloat16}, "int8mom": {"momentum_dtype": torch.int8},
+            "qkclip": {}}  # dmuon's defaults, and a dmuon.QKClip.for_model (QK_CLIP_THRESHOLD)
+QK_CLIP_THRESHOLD = 100.0  # the ``-qkclip`` configurations' τ (Kimi K2's)
 # What each data-parallel mode is compared with (AdamW and vanilla Muon of that mode).
 BASELINE_MODE = {"ddp": "ddp", "fsdp": "fsdp", "ownerz2": "fsdp", "ownerz3": "fsdp", "fsdptp": "fsdptp"}
 
@@ -424,6 +431,8 @@ class _Trainer:
         self.optimizers = _factory(optimizer)(self.model, args.lr, args.weight_decay, **options)
         if optimizer == "dmuon" and parallel == "ddp":
             self.optimizers[0].register_ddp_comm_hook(self.wrapped)  # early start under DDP (on CUDA by default)
+        if variant == "qkclip":  # max logits recorded in every forward, the clip after every step
+            QKClip.for_model(self.optimizers[0], self.model, threshold=QK_CLIP_THRESHOLD)
         self.data = make_data(config, seed=args.seed)
 
     def forward_backward(self, step: int) -> torch.Tensor:

@@ -223,3 +223,13 @@ def test_the_fsdp_tp_layout_runs_beside_fsdp2_at_fsdp2s_bytes(tmp_path):
     assert records["fsdptp-dmuon"]["step_vs_adamw"] > 0 and records["fsdptp-torch-muon"]["opt_step_ms"] > 0
     with pytest.raises(SystemExit, match="2"):
         main(["bench", "--layout", "fsdp-tp", "--world-size", "3", "--preset", "tiny"])
+
+
+def test_the_qk_clip_configuration_steps_beside_dmuon(tmp_path):
+    """``fsdp-dmuon-qkclip``: dmuon with a QKClip recording every forward's max logits, beside
+    dmuon without it in one run (its share of the step, BENCHMARKS.md "What QK-clip costs the step")."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--memory-steps", "0",
+                 "--max-seconds", "0", "--configs", "fsdp-adamw,fsdp-dmuon,fsdp-dmuon-qkclip", "--json", str(out)]) == 0
+    records = {r["config"]: r for r in json.loads(out.read_text())}
+    assert records["fsdp-dmuon-qkclip"]["step_vs_adamw"] > 0 and records["fsdp-dmuon"]["step_vs_adamw"] > 0
