@@ -972,7 +972,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
     parser.add_argument("--layout", choices=("dp", "fsdp-tp"), default="dp",
                         help="the default configurations: dp (DDP and FSDP2) or fsdp-tp (FSDP2 and FSDP2 x tensor "
-                             "parallel on a (world/2, 2) mesh, each with AdamW and vanilla Muon; default: %(default)s)")
+                             "parallel on a (world/2, 2) mesh, each with AdamW and vanilla Muon) "
+                             "(default: %(default)s)")
     parser.add_argument("--configs", type=name_list(CONFIGS + BF16_WIRE_CONFIGS + MORE_CONFIGS + FSDP_TP_CONFIGS),
                         default=None,
                         help=f"comma-separated subset of {','.join(CONFIGS)}, or of those and "
