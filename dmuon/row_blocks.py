@@ -157,8 +157,9 @@ def pattern_rows(ns_blocks: Any) -> int | None:
         if set(ns_blocks) == {"heads", "per_head"} and _is_int(ns_blocks["heads"]):
             return ns_blocks["heads"] * sum(s for s in ns_blocks["per_head"] if _is_int(s))
         return None
-    blocks = list(ns_blocks)
-    return sum(len(b) if isinstance(b, (list, tuple)) else b for b in blocks if isinstance(b, (list, tuple, int)))
+    if not isinstance(ns_blocks, (list, tuple)):
+        return None
+    return sum(len(b) if isinstance(b, (list, tuple)) else b for b in ns_blocks if isinstance(b, (list, tuple, int)))
 
 
 def plain_pattern(ns_blocks: Any) -> Any:

@@ -11,7 +11,7 @@ from torch import nn
 
 import dmuon
 from dmuon.reference import ReferenceMuon
-from dmuon.row_blocks import RowBlocks, from_blocks, plain_pattern, row_blocks, to_blocks
+from dmuon.row_blocks import RowBlocks, from_blocks, pattern_rows, plain_pattern, row_blocks, to_blocks
 from tests.helpers import dcp_load, dcp_save
 
 HPARAMS = dict(lr=0.05, weight_decay=0.01, ns_dtype=torch.float32, ns_method="standard")
@@ -32,6 +32,13 @@ def test_patterns_are_a_row_order_and_block_sizes(pattern, expected):
     blocks = row_blocks(pattern, 6)
     assert blocks == expected
     assert sorted(row for block in blocks.indices() for row in block) == list(range(6))
+
+
+def test_the_rows_a_pattern_was_written_for():
+    """What the hint for a pattern written over a rank's shard compares with the shard's rows."""
+    assert pattern_rows([4, 2]) == 6 and pattern_rows([[0, 2], [1]]) == 3
+    assert pattern_rows(dmuon.per_head(2, [1, 3])) == 8
+    assert pattern_rows(None) is pattern_rows(4) is pattern_rows(dmuon.interleaved(2)) is pattern_rows(True) is None
 
 
 def test_moving_rows_to_blocks_and_back_is_the_identity():

@@ -120,7 +120,7 @@ class Run:
         # the ranks that agree on holding a backward pass back: only where the run exchanges
         self.group = group if any(w.process_group is not None for w in plan.works) else None
         self.device = plan.works[0].param.device
-        # the exchange groups' row exchanges one after the other, as at step(); a bucket is
+        # the exchange groups' row and piece exchanges one after the other, as at step(); a bucket is
         # (the strategy's position, the bucket's), in the order the stages reach them
         self.stages: Iterator[Bucket] = engine.stages(plan.strategies, self.values)
         self.order: list[Bucket] = [(s, k) for s, strategy in enumerate(plan.strategies)
